@@ -1,0 +1,166 @@
+"""WikiText-2 perplexity of FTC and the baselines on SmolLM2-135M, plus FTC ablations and timing.
+
+    .venv/bin/python benchmarks/quality.py            # full grid (hours on 2 CPU cores)
+    .venv/bin/python benchmarks/quality.py --part main --ratios 0.4
+
+Every cell is compressed through the same `ftc.compress` entry point as the CLI, written as an
+artifact, reloaded from disk and evaluated, so the numbers are those of the checkpoint a user
+gets. Finished cells are kept in the JSON and skipped on re-runs, so an interrupted run resumes.
+Writes benchmarks/results/quality.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ftc.artifact import load_artifact
+from ftc.compress import CompressOptions, calibration_batch, compress
+from ftc.data import load_text, tokenize
+from ftc.evaluate import perplexity
+from ftc.models import load_model, resolve_model
+from ftc.options import ABLATIONS
+from ftc.pipeline import layer_inputs, propagate
+
+RESULTS = Path(__file__).parent / "results"
+BASELINES = ("svd_llm", "asvd", "svd", "per_matrix")
+METHODS = ("ftc", *BASELINES)
+
+
+def cell_key(method: str, ratio: float, ablation: str = "") -> str:
+    return f"{method}@{ratio}" + (f"+{ablation}" if ablation else "")
+
+
+def dense_forward_seconds(model, tokenizer, options: CompressOptions, repeats: int = 3) -> float:
+    """Median time of one dense pass of the decoder stack over the calibration tokens."""
+    from ftc.arch import decoder_layers, layout_of
+
+    layout = layout_of(model.config)
+    calib = calibration_batch(tokenizer, options, layout.hidden)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            stream = layer_inputs(model, layout, calib, options.batch_size, torch.device("cpu"))
+            for layer in decoder_layers(model, layout):
+                propagate(layer, stream)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_cell(loaded, test_ids, options: CompressOptions, windows: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest = compress(options, Path(tmp) / "artifact", loaded=loaded, progress=False)
+        model, _, _ = load_artifact(Path(tmp) / "artifact")
+        ev = perplexity(model, test_ids, 512, windows, progress=False)
+    return {
+        "method": options.method, "ratio": options.ratio, "ablation": ",".join(options.ablate),
+        "ppl": ev["ppl"], "windows": ev["windows"], "tokens": ev["tokens"],
+        "compress_seconds": manifest["compress_seconds"],
+        "qkv_values_used": manifest["storage"]["qkv_values_used"],
+        "qkv_budget_values": manifest["storage"]["qkv_budget_values"],
+        "model_reduction": manifest["storage"]["model_reduction"],
+    }
+
+
+def render(results: dict) -> str:
+    dense = results.get("dense")
+    cells = results["cells"]
+    ratios = sorted({c["ratio"] for c in cells.values() if not c["ablation"]}, reverse=True)
+    lines = ["# Quality: SmolLM2-135M-Instruct, WikiText-2 test perplexity", ""]
+    if dense:
+        lines += [f"Dense perplexity: **{dense['ppl']:.3f}** over the first {dense['windows']} windows of 512 "
+                  f"tokens ({dense['tokens']} tokens). Calibration: {results['calibration']}.", ""]
+    lines += ["| rho | " + " | ".join(METHODS) + " | FTC vs best baseline | FTC / dense |",
+              "|---|" + "---|" * (len(METHODS) + 2)]
+    for r in ratios:
+        row = [cells.get(cell_key(m, r)) for m in METHODS]
+        vals = [f"{c['ppl']:.2f}" if c else "-" for c in row]
+        ftc, base = row[0], [c["ppl"] for c in row[1:] if c]
+        gain = f"{100 * (1 - ftc['ppl'] / min(base)):.1f}% lower" if ftc and base else "-"
+        ratio = f"{ftc['ppl'] / dense['ppl']:.2f}x" if ftc and dense else "-"
+        lines.append(f"| {r} | " + " | ".join(vals) + f" | {gain} | {ratio} |")
+    abl = [c for c in cells.values() if c["ablation"]]
+    if abl:
+        lines += ["", "## FTC ablations (perplexity, change vs full FTC)", "",
+                  "| ablation | " + " | ".join(f"rho {r}" for r in sorted({c['ratio'] for c in abl}, reverse=True))
+                  + " |", "|---|" + "---|" * len({c["ratio"] for c in abl})]
+        for name in ABLATIONS:
+            row = []
+            for r in sorted({c["ratio"] for c in abl}, reverse=True):
+                c, full = cells.get(cell_key("ftc", r, name)), cells.get(cell_key("ftc", r))
+                row.append(f"{c['ppl']:.2f} ({100 * (c['ppl'] / full['ppl'] - 1):+.1f}%)" if c and full else "-")
+            lines.append(f"| {name} | " + " | ".join(row) + " |")
+    if "timing" in results:
+        t = results["timing"]
+        lines += ["", "## Compression time (this machine, CPU)", "",
+                  "| FTC rho 0.4 compression (s) | dense forward over the calibration tokens (s, median of 3) | ratio |",
+                  "|---|---|---|",
+                  f"| {t['ftc_seconds']:.1f} | {t['dense_forward_seconds']:.1f} | "
+                  f"{t['ftc_seconds'] / t['dense_forward_seconds']:.2f}x |"]
+    lines += ["", "Each cell: `ftc.compress` -> artifact on disk -> reloaded -> evaluated. "
+              "Produced by `benchmarks/quality.py`.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["all", "main", "ablations", "timing"], default="all")
+    parser.add_argument("--ratios", type=float, nargs="*", default=[0.8, 0.6, 0.4, 0.2])
+    parser.add_argument("--ablation-ratios", type=float, nargs="*", default=[0.6, 0.2])
+    parser.add_argument("--methods", nargs="*", default=list(METHODS))
+    parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=RESULTS / "quality.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    results = json.loads(args.out.read_text()) if args.out.exists() else {"cells": {}}
+    base = CompressOptions(device="cpu", calib_samples=32, seq_len=512, seed=0)
+    results["calibration"] = "32 x 512 tokens of the WikiText-2 validation file, seed 0"
+    source = resolve_model(base.model)
+    model, tokenizer = load_model(source)
+    loaded = (model, tokenizer, source)
+    test_ids = tokenize(tokenizer, load_text("wikitext2", "test"))
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+        args.out.with_suffix(".md").write_text(render(results))
+
+    if "dense" not in results or results["dense"]["windows"] != args.windows:
+        results["dense"] = perplexity(model, test_ids, 512, args.windows, progress=False)
+        save()
+    jobs = []
+    if args.part in ("all", "main"):
+        jobs += [(m, r, "") for r in args.ratios for m in args.methods]
+    if args.part in ("all", "ablations"):
+        jobs += [("ftc", r, a) for r in args.ablation_ratios for a in ABLATIONS]
+    for method, ratio, ablation in jobs:
+        key = cell_key(method, ratio, ablation)
+        if key in results["cells"] and results["cells"][key]["windows"] == args.windows:
+            continue
+        opts = CompressOptions(**{**base.__dict__, "method": method, "ratio": ratio,
+                                  "ablate": (ablation,) if ablation else ()})
+        results["cells"][key] = run_cell(loaded, test_ids, opts, args.windows)
+        print(key, f"{results['cells'][key]['ppl']:.3f}", flush=True)
+        save()
+    if args.part in ("all", "timing"):
+        ftc = CompressOptions(**{**base.__dict__, "ratio": 0.4})
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            compress(ftc, Path(tmp) / "a", loaded=loaded, progress=False)
+            ftc_seconds = time.perf_counter() - t0
+        results["timing"] = {"ftc_seconds": ftc_seconds,
+                             "dense_forward_seconds": dense_forward_seconds(model, tokenizer, base)}
+        save()
+    print(render(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Where attention lives in each supported Hugging Face architecture family.
+
+Everything model-specific sits here: the rest of the library sees decoder layers, four projection
+names and the head geometry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+LLAMA_STYLE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+FAMILIES: dict[str, tuple[str, tuple[str, str, str, str]]] = {
+    "llama": ("model.layers", LLAMA_STYLE),
+    "mistral": ("model.layers", LLAMA_STYLE),
+    "qwen2": ("model.layers", LLAMA_STYLE),
+    "qwen3": ("model.layers", LLAMA_STYLE),
+    "gemma": ("model.layers", LLAMA_STYLE),
+    "gemma2": ("model.layers", LLAMA_STYLE),
+    "gptj": ("transformer.h", ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj")),
+}
+
+
+class UnsupportedModel(InputError):
+    pass
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Head geometry of one model and the names of its projections inside a decoder layer."""
+
+    model_type: str
+    layers_path: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q: str
+    k: str
+    v: str
+    o: str
+
+    @property
+    def slices(self) -> int:
+        """`S = Hq + 2*Hkv` (§2)."""
+        return self.heads + 2 * self.kv_heads
+
+    @property
+    def projections(self) -> dict[str, str]:
+        return {"q": self.q, "k": self.k, "v": self.v, "o": self.o}
+
+    @property
+    def qkv_params(self) -> int:
+        return self.hidden * self.head_dim * self.slices
+
+    @property
+    def o_params(self) -> int:
+        return self.heads * self.head_dim * self.hidden
+
+
+def layout_of(config) -> AttentionLayout:
+    """Read the attention geometry from a transformers config, or name the supported families."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise UnsupportedModel(
+            f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    layers_path, (q, k, v, o) = FAMILIES[model_type]
+    hidden = config.hidden_size if hasattr(config, "hidden_size") else config.n_embd
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return AttentionLayout(model_type, layers_path, hidden, heads, kv_heads, head_dim, q, k, v, o)
+
+
+def decoder_layers(model: nn.Module, layout: AttentionLayout) -> nn.ModuleList:
+    return model.get_submodule(layout.layers_path)
+
+
+def get_module(layer: nn.Module, name: str) -> nn.Module:
+    return layer.get_submodule(name)
+
+
+def set_module(layer: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(layer.get_submodule(parent) if parent else layer, leaf, module)

@@ -1,0 +1,94 @@
+"""Text sources for calibration and evaluation, and their tokenisation.
+
+WikiText-2 ships with the package (see `ftc/data/README.md`), so the default job runs offline.
+PTB and other files are read from `FTC_DATA_DIR` (default: a `shared/data` folder beside the
+checkout when present). Any `.txt` or `.jsonl` (`text` field) path works too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .options import InputError
+
+PACKAGE_DATA = Path(__file__).parent / "data"
+SPLITS = ("test", "validation")
+
+
+class DatasetError(InputError):
+    pass
+
+
+def data_dir() -> Path | None:
+    """Where optional datasets live: `$FTC_DATA_DIR`, else `../shared/data` next to the checkout."""
+    if env := os.environ.get("FTC_DATA_DIR"):
+        return Path(env)
+    for base in (Path(__file__).resolve().parents[1], Path.cwd()):
+        candidate = base.parent / "shared" / "data"
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _rows_as_text(lines: list[str]) -> str:
+    """Hugging Face row layout: blank lines (`" "`) become empty rows, rows joined by blank lines."""
+    return "\n\n".join("" if line.strip() == "" else line for line in lines)
+
+
+def _read_lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def _file_text(path: Path) -> str:
+    if path.suffix == ".jsonl":
+        rows = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                record = json.loads(line)
+                if "text" not in record:
+                    raise DatasetError(f"{path}:{n}: JSONL records need a 'text' field")
+                rows.append(str(record["text"]))
+        return "\n\n".join(rows)
+    return path.read_text(encoding="utf-8")
+
+
+def load_text(dataset: str, split: str = "test") -> str:
+    """The raw text of `dataset` (`wikitext2`, `ptb`, or a file path) for `split`."""
+    if split not in SPLITS:
+        raise DatasetError(f"split must be one of {SPLITS}; got {split!r}")
+    if dataset == "wikitext2":
+        name = "wiki.test.raw" if split == "test" else "wiki.valid.tokens"
+        return _rows_as_text(_read_lines(PACKAGE_DATA / name))
+    if dataset == "ptb":
+        root = data_dir()
+        path = root / "ptb" / f"ptb.{'test' if split == 'test' else 'valid'}.txt" if root else None
+        if path is None or not path.is_file():
+            raise DatasetError("dataset 'ptb' needs FTC_DATA_DIR pointing at a folder with ptb/ptb.test.txt")
+        return "\n\n".join(line.strip() for line in _read_lines(path))
+    path = Path(dataset)
+    if path.suffix in (".txt", ".jsonl", ".raw", ".tokens") and path.is_file():
+        return _file_text(path)
+    raise DatasetError(f"unknown dataset {dataset!r}; use wikitext2, ptb, or a path to a .txt/.jsonl file")
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """All token ids of `text` as one 1-D tensor (no special tokens: windows are cut from it)."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def calibration_ids(ids: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """`samples` windows of `seq_len` tokens at seeded random offsets (the GPTQ/SVD-LLM recipe)."""
+    if ids.numel() <= seq_len:
+        raise DatasetError(f"calibration text has {ids.numel()} tokens; need more than seq_len={seq_len}")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq_len, (samples,), generator=gen)
+    return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+
+
+def ids_sha256(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()

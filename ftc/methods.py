@@ -1,0 +1,198 @@
+"""FTC and the baselines as methods plugged into the one layer pipeline (ftc-method.md §8, §11).
+
+A method sees one layer at a time: the original projection weights (`(in, out)` layout), the
+statistics the pipeline gathered on its stream, and the keep ratio. It returns stored groups
+(spec + tensors, see `stored.py`) plus a report for the manifest. No model objects, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .arch import AttentionLayout
+from .lowrank import budget_rank, calibrated_wo, scaled_svd, truncated_svd, whitened_svd
+from .metric import Moments, Whitening
+from .stored import lowrank_tensors, tucker_tensors
+from .tucker import compress_tensor, head_concat, head_slices
+
+Group = tuple[dict, dict[str, torch.Tensor]]
+
+
+@dataclass
+class ContextStats:
+    """Statistics of the attention context (the input of `o_proj`) on the current stream (§8).
+
+    `teacher` is `A_t` (original Q/K/V); `student` and `cross` (`sum A_s^T A_t`) exist only for
+    methods that calibrate `W_O` against the compressed Q/K/V.
+    """
+
+    teacher: Moments
+    student: Moments | None = None
+    cross: torch.Tensor | None = None
+
+
+@dataclass
+class Method:
+    """Options common to every method; subclasses implement `qkv` and `o`."""
+
+    keep_ratio: float
+    storage_dtype: torch.dtype = torch.float16
+    ablations: frozenset[str] = field(default_factory=frozenset)
+    stream = "student"  # which hidden-state stream feeds the statistics (§3)
+    needs_data = True
+    needs_student_context = False
+
+    def qkv(self, weights: dict[str, torch.Tensor], x: Moments | None, layout: AttentionLayout):
+        raise NotImplementedError
+
+    def o(self, w_o: torch.Tensor, ctx: ContextStats | None, layout: AttentionLayout):
+        raise NotImplementedError
+
+    def _lowrank(self, proj: str, a: torch.Tensor, b: torch.Tensor) -> Group:
+        return {"kind": "lowrank", "proj": [proj], "rank": a.shape[1]}, lowrank_tensors(
+            a, b, self.storage_dtype
+        )
+
+    def _per_matrix(self, weights: dict[str, torch.Tensor], factor) -> tuple[list[Group], dict]:
+        groups = []
+        for proj, w in weights.items():
+            a, b = factor(w, budget_rank(*w.shape, self.keep_ratio))
+            groups.append(self._lowrank(proj, a, b))
+        return groups, {"ranks": {g[0]["proj"][0]: g[0]["rank"] for g in groups}}
+
+
+class SVD(Method):
+    """Plain truncated SVD of each projection (§11 `svd`)."""
+
+    stream = "teacher"
+    needs_data = False
+
+    def qkv(self, weights, x, layout):
+        return self._per_matrix(weights, truncated_svd)
+
+    def o(self, w_o, ctx, layout):
+        rank = budget_rank(*w_o.shape, self.keep_ratio)
+        return self._lowrank("o", *truncated_svd(w_o, rank)), {"r_o": rank}
+
+
+class ASVD(Method):
+    """Activation-aware SVD: input channels scaled by `mean|x|^0.5` of the original model (§11)."""
+
+    stream = "teacher"
+
+    def qkv(self, weights, x, layout):
+        return self._per_matrix(weights, lambda w, r: scaled_svd(w, x.abs_mean, r))
+
+    def o(self, w_o, ctx, layout):
+        rank = budget_rank(*w_o.shape, self.keep_ratio)
+        return self._lowrank("o", *scaled_svd(w_o, ctx.teacher.abs_mean, rank)), {"r_o": rank}
+
+
+class SVDLLM(Method):
+    """SVD-LLM: Cholesky whitening of the original model's input Gram, per matrix (§11)."""
+
+    stream = "teacher"
+
+    def qkv(self, weights, x, layout):
+        whitening = Whitening.from_gram(x.gram)
+        groups, report = self._per_matrix(weights, lambda w, r: whitened_svd(w, whitening, r))
+        return groups, {**report, "eps": whitening.eps}
+
+    def o(self, w_o, ctx, layout):
+        rank = budget_rank(*w_o.shape, self.keep_ratio)
+        whitening = Whitening.from_gram(ctx.teacher.gram)
+        return self._lowrank("o", *whitened_svd(w_o, whitening, rank)), {"r_o": rank, "eps_o": whitening.eps}
+
+
+class FTC(Method):
+    """The full method: joint head-concat Tucker for Q/K/V (§2-§7), calibrated W_O (§8)."""
+
+    needs_student_context = True
+
+    def __post_init__(self) -> None:
+        if "no_sequential" in self.ablations:
+            self.stream = "teacher"
+        if "no_wo_target" in self.ablations:
+            self.needs_student_context = True  # W_O's own metric still needs A_s
+
+    def _tucker(self, tensor: torch.Tensor, x: Moments, proj: list[str], heads: list[int], budget: int):
+        whitening = Whitening.from_gram(None if "no_whiten" in self.ablations else x.gram)
+        factors, report = compress_tensor(
+            tensor,
+            whitening,
+            budget,
+            balance="no_slice_norm" not in self.ablations,
+            coupled="fixed_ranks" not in self.ablations,
+        )
+        spec = {"kind": "tucker", "proj": proj, "heads": heads, "shape": list(factors.core.shape)}
+        if factors.mask is not None:
+            spec["kept"] = int(factors.mask.sum())
+        return (spec, tucker_tensors(factors, self.storage_dtype)), report
+
+    def qkv(self, weights, x, layout):
+        repeat = layout.heads // layout.kv_heads if "kv_repeat" in self.ablations else 1
+        tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim, repeat)
+        budget = int(self.keep_ratio * layout.qkv_params)
+        heads = [layout.heads, layout.kv_heads, layout.kv_heads]
+        (spec, tensors), report = self._tucker(tensor, x, ["q", "k", "v"], heads, budget)
+        spec["kv_repeat"] = repeat
+        return [(spec, tensors)], {
+            "r1": report.r1,
+            "r2": report.r2,
+            "K": report.kept,
+            "eps": report.eps,
+            "error_allocated": report.error_allocated,
+            "error_refit": report.error_refit,
+            "qkv_budget": budget,
+        }
+
+    def o(self, w_o, ctx, layout):
+        rank = budget_rank(*w_o.shape, self.keep_ratio)
+        anchor = 0.0 if "no_anchor" in self.ablations else 0.5
+        target = w_o
+        if "no_wo_target" not in self.ablations:
+            n = ctx.student.count
+            target = calibrated_wo(ctx.student.gram, ctx.teacher.gram, ctx.cross / n, w_o, anchor)
+        gram = None if "no_whiten" in self.ablations else ctx.student.gram
+        whitening = Whitening.from_gram(gram)
+        a, b = whitened_svd(target, whitening, rank)
+        return self._lowrank("o", a, b), {"r_o": rank, "eps_o": whitening.eps, "anchor": anchor}
+
+
+class PerMatrix(FTC):
+    """Matched per-matrix control: FTC's metric and W_O, but Q, K and V each compressed alone."""
+
+    def qkv(self, weights, x, layout):
+        groups, reports = [], {}
+        for proj, heads in (("q", layout.heads), ("k", layout.kv_heads), ("v", layout.kv_heads)):
+            tensor = head_slices(weights[proj], layout.head_dim)
+            budget = int(self.keep_ratio * layout.hidden * layout.head_dim * heads)
+            group, report = self._tucker(tensor, x, [proj], [heads], budget)
+            groups.append(group)
+            reports[proj] = {
+                "r1": report.r1,
+                "r2": report.r2,
+                "K": report.kept,
+                "eps": report.eps,
+                "error_refit": report.error_refit,
+            }
+        return groups, reports
+
+
+METHOD_CLASSES: dict[str, type[Method]] = {
+    "ftc": FTC,
+    "svd": SVD,
+    "asvd": ASVD,
+    "svd_llm": SVDLLM,
+    "per_matrix": PerMatrix,
+}
+
+
+def make_method(
+    name: str, keep_ratio: float, storage_dtype: torch.dtype, ablations: tuple[str, ...] = ()
+) -> Method:
+    if ablations and name != "ftc":
+        raise ValueError(f"ablations apply to method 'ftc' only; got method {name!r}")
+    return METHOD_CLASSES[name](keep_ratio, storage_dtype, frozenset(ablations))

@@ -1,0 +1,110 @@
+"""Activation-induced metrics (ftc-method.md §3): Gram accumulation, damping and the whitening guard.
+
+For a linear map `y = x @ W` and calibration inputs `X (n x d)`, the output error of a perturbation
+`dW` is `||X dW||_F^2 = n * ||R^T dW||_F^2` with `C = X^T X / n = R R^T`. Whitening by `R^T` turns
+every activation-weighted objective below into a plain Frobenius one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+WORK_DTYPE = torch.float64
+"""Precision of every factorisation: Gram matrices of LLM activations are badly conditioned."""
+
+
+@dataclass
+class Moments:
+    """Running first/second moments of row vectors, accumulated batch by batch in float64.
+
+    Keeps `X^T X`, `sum |x|` and the row count so that the whole calibration set never has to
+    sit in memory at once (the Gram is d x d, whatever n is).
+    """
+
+    dim: int
+    device: torch.device | str = "cpu"
+    gram_sum: torch.Tensor = field(init=False)
+    abs_sum: torch.Tensor = field(init=False)
+    count: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.gram_sum = torch.zeros(self.dim, self.dim, dtype=WORK_DTYPE, device=self.device)
+        self.abs_sum = torch.zeros(self.dim, dtype=WORK_DTYPE, device=self.device)
+
+    def update(self, x: torch.Tensor) -> None:
+        rows = x.reshape(-1, self.dim).to(device=self.gram_sum.device, dtype=WORK_DTYPE)
+        self.gram_sum.addmm_(rows.T, rows)
+        self.abs_sum += rows.abs().sum(0)
+        self.count += rows.shape[0]
+
+    @property
+    def gram(self) -> torch.Tensor:
+        """`C = X^T X / n`."""
+        return self.gram_sum / max(self.count, 1)
+
+    @property
+    def abs_mean(self) -> torch.Tensor:
+        """Per-channel mean |x| (ASVD's activation statistic)."""
+        return self.abs_sum / max(self.count, 1)
+
+
+def cross_gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`A^T B` over flattened rows, in the work precision."""
+    a2 = a.reshape(-1, a.shape[-1]).to(WORK_DTYPE)
+    b2 = b.reshape(-1, b.shape[-1]).to(WORK_DTYPE)
+    return a2.T @ b2
+
+
+def damp(gram: torch.Tensor, eps: float) -> torch.Tensor:
+    """`C + eps * mean(diag(C)) * I` (§3). A zero Gram is damped by `eps` alone."""
+    scale = gram.diagonal().mean().clamp_min(torch.finfo(WORK_DTYPE).tiny)
+    return gram + eps * scale * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+
+
+def guarded_cholesky(
+    gram: torch.Tensor, eps: float = 1e-4, max_cond: float = 1e12, max_eps: float = 1.0
+) -> tuple[torch.Tensor | None, float | None]:
+    """Lower-triangular `R` with `damp(C, eps) = R R^T`, escalating `eps` tenfold on failure (§3).
+
+    Returns `(R, eps_used)`, or `(None, None)` when even `eps = max_eps` fails: the caller then
+    uses the identity metric for this layer.
+    """
+    gram = gram.to(WORK_DTYPE)
+    while eps <= max_eps * (1 + 1e-9):
+        damped = damp(gram, eps)
+        chol, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            eig = torch.linalg.eigvalsh(damped)
+            if eig[0] > 0 and float(eig[-1] / eig[0]) <= max_cond:
+                return chol, eps
+        eps *= 10.0
+    return None, None
+
+
+@dataclass(frozen=True)
+class Whitening:
+    """The mode-1 change of basis `W~ = R^T W` and its inverse `U1_hat = R^{-T} U1` (§3)."""
+
+    chol: torch.Tensor | None
+    eps: float | None
+
+    @classmethod
+    def from_gram(cls, gram: torch.Tensor | None, eps: float = 1e-4) -> Whitening:
+        if gram is None:
+            return cls(None, None)
+        chol, used = guarded_cholesky(gram, eps)
+        return cls(chol, used)
+
+    def apply(self, w: torch.Tensor) -> torch.Tensor:
+        """`R^T W` for `W` of shape `(d, ...)`."""
+        if self.chol is None:
+            return w
+        return torch.tensordot(self.chol.T.to(w.dtype), w, dims=1)
+
+    def unapply(self, u: torch.Tensor) -> torch.Tensor:
+        """`R^{-T} U` for `U` of shape `(d, r)`: maps a whitened left factor back."""
+        if self.chol is None:
+            return u
+        return torch.linalg.solve_triangular(self.chol.T.to(u.dtype), u, upper=True)

@@ -1,0 +1,230 @@
+"""The sequential layer-by-layer pipeline (ftc-method.md §3, §8): statistics, compress, propagate.
+
+One hidden-state stream of the calibration batch is carried from layer to layer. For FTC it is
+the *student* stream (layers before `l` already compressed); the baselines and the
+`no_sequential` ablation carry the original model's (*teacher*) stream instead. The pipeline knows
+nothing about the method's math: it gathers statistics, hands them to the method, installs the
+modules built from the method's stored tensors, and moves the stream on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .arch import AttentionLayout, decoder_layers, get_module, set_module
+from .methods import ContextStats, Group, Method
+from .metric import Moments
+from .stored import build_modules
+
+
+class _Captured(Exception):
+    """Raised by a capture hook to stop a forward pass once the wanted input is recorded."""
+
+
+@dataclass
+class LayerResult:
+    index: int
+    groups: list[Group]
+    report: dict
+    seconds: float
+
+
+@dataclass
+class Stream:
+    """Calibration hidden states at the current depth, one tensor per batch, plus layer kwargs."""
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict]
+    device: torch.device
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, dict]]:
+        for h, kw in zip(self.hidden, self.kwargs, strict=True):
+            yield h.to(self.device, non_blocking=True), kw
+
+
+@dataclass
+class PipelineResult:
+    layers: list[LayerResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _layer_output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def layer_inputs(
+    model: nn.Module,
+    layout: AttentionLayout,
+    input_ids: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+    store: torch.device | str = "cpu",
+) -> Stream:
+    """Run the embeddings up to the first decoder layer and keep its inputs and kwargs per batch.
+
+    The kwargs (rotary position embeddings, causal mask...) are whatever the model passes its
+    layers, captured rather than rebuilt, so every architecture family works the same way.
+    """
+    first = decoder_layers(model, layout)[0]
+    hidden, kwargs = [], []
+
+    def hook(_module, args, kw):
+        h = args[0] if args else kw.pop("hidden_states")
+        hidden.append(h.detach().to(store))
+        kwargs.append({k: v for k, v in kw.items() if k != "hidden_states"})
+        raise _Captured
+
+    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for start in range(0, input_ids.shape[0], batch_size):
+            with contextlib.suppress(_Captured):
+                model(input_ids=input_ids[start : start + batch_size].to(device), use_cache=False)
+    finally:
+        handle.remove()
+    return Stream(hidden, kwargs, device)
+
+
+@torch.no_grad()
+def capture_input(layer: nn.Module, name: str, h: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """The input of submodule `name` when `layer` runs on `h`; the forward stops right there."""
+    seen: list[torch.Tensor] = []
+
+    def hook(_module, args):
+        seen.append(args[0])
+        raise _Captured
+
+    handle = get_module(layer, name).register_forward_pre_hook(hook)
+    try:
+        with contextlib.suppress(_Captured):
+            layer(h, **kwargs)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@contextlib.contextmanager
+def swapped(layer: nn.Module, layout: AttentionLayout, modules: dict[str, nn.Module]):
+    """Temporarily install `modules` (keyed q/k/v/o) in `layer`."""
+    names = layout.projections
+    before = {p: get_module(layer, names[p]) for p in modules}
+    for p, m in modules.items():
+        set_module(layer, names[p], m)
+    try:
+        yield
+    finally:
+        for p, m in before.items():
+            set_module(layer, names[p], m)
+
+
+@torch.no_grad()
+def propagate(layer: nn.Module, stream: Stream) -> None:
+    """Advance the stream through `layer` in place (per batch, results kept where they were)."""
+    for i, (h, kw) in enumerate(stream.batches()):
+        stream.hidden[i] = _layer_output(layer(h, **kw)).to(stream.hidden[i].device)
+
+
+@torch.no_grad()
+def context_stats(
+    layer: nn.Module, layout: AttentionLayout, stream: Stream, compressed_qkv: dict[str, nn.Module] | None
+) -> ContextStats:
+    """`A_t` (original Q/K/V) and, if asked, `A_s` (compressed Q/K/V) on the same inputs (§8)."""
+    width = layout.heads * layout.head_dim
+    stats = ContextStats(teacher=Moments(width, stream.device))
+    if compressed_qkv is not None:
+        stats.student = Moments(width, stream.device)
+        stats.cross = torch.zeros(width, width, dtype=torch.float64, device=stream.device)
+    for h, kw in stream.batches():
+        a_t = capture_input(layer, layout.o, h, kw)
+        stats.teacher.update(a_t)
+        if compressed_qkv is not None:
+            with swapped(layer, layout, compressed_qkv):
+                a_s = capture_input(layer, layout.o, h, kw)
+            stats.student.update(a_s)
+            rows_s = a_s.reshape(-1, width).double()
+            stats.cross.addmm_(rows_s.T, a_t.reshape(-1, width).double())
+    return stats
+
+
+def _weights(layer: nn.Module, layout: AttentionLayout) -> tuple[dict, dict]:
+    """Original projection weights in `(in, out)` layout, and their biases."""
+    mods = {p: get_module(layer, n) for p, n in layout.projections.items()}
+    return {p: m.weight.detach().T for p, m in mods.items()}, {p: m.bias for p, m in mods.items()}
+
+
+def _modules(groups: list[Group], biases: dict, layout: AttentionLayout, dtype: torch.dtype) -> dict:
+    out: dict[str, nn.Module] = {}
+    for spec, tensors in groups:
+        out.update(build_modules(spec, tensors, biases, layout.head_dim, dtype))
+    return out
+
+
+@torch.no_grad()
+def compress_layer(
+    layer: nn.Module,
+    layout: AttentionLayout,
+    method: Method,
+    stream: Stream | None,
+    compute_dtype: torch.dtype,
+) -> tuple[list[Group], dict]:
+    """Compress one decoder layer in place and advance the stream through it (§3, §8)."""
+    weights, biases = _weights(layer, layout)
+    x = None
+    if method.needs_data:
+        x = Moments(layout.hidden, stream.device)
+        for h, kw in stream.batches():
+            x.update(capture_input(layer, layout.q, h, kw))
+    qkv_groups, qkv_report = method.qkv({p: weights[p] for p in "qkv"}, x, layout)
+    qkv_modules = _modules(qkv_groups, biases, layout, compute_dtype)
+    ctx = None
+    if method.needs_data:
+        ctx = context_stats(layer, layout, stream, qkv_modules if method.needs_student_context else None)
+    o_group, o_report = method.o(weights["o"], ctx, layout)
+    replacements = {**qkv_modules, **_modules([o_group], biases, layout, compute_dtype)}
+    if stream is not None and method.stream == "teacher":
+        propagate(layer, stream)
+    for p, m in replacements.items():
+        set_module(layer, layout.projections[p], m.to(weights[p].device))
+    if stream is not None and method.stream == "student":
+        propagate(layer, stream)
+    return [*qkv_groups, o_group], {**qkv_report, **o_report}
+
+
+def compress_model(
+    model: nn.Module,
+    layout: AttentionLayout,
+    method: Method,
+    calibration: torch.Tensor | None,
+    *,
+    device: torch.device,
+    batch_size: int = 8,
+    compute_dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    on_layer: Callable[[LayerResult], None] | None = None,
+) -> PipelineResult:
+    """Compress every decoder layer in order; the model is modified in place."""
+    start = time.perf_counter()
+    result = PipelineResult()
+    stream = layer_inputs(model, layout, calibration, batch_size, device) if method.needs_data else None
+    layers = decoder_layers(model, layout)
+    bar = tqdm(
+        range(len(layers)), desc=f"compress {type(method).__name__}", unit="layer", disable=not progress
+    )
+    for index in bar:
+        t0 = time.perf_counter()
+        groups, report = compress_layer(layers[index], layout, method, stream, compute_dtype)
+        layer_result = LayerResult(index, groups, report, time.perf_counter() - t0)
+        result.layers.append(layer_result)
+        if "error_refit" in report:
+            bar.set_postfix(err=f"{report['error_refit']:.3f}")
+        if on_layer is not None:
+            on_layer(layer_result)
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,0 +1,359 @@
+"""Shared-factor Tucker compression of the joint Q/K/V tensor (ftc-method.md §2, §4-§7).
+
+Layout: the head-concat tensor is held slice-first, `W[s] = W_s (d x dh)`, shape `(S, d, dh)`,
+and the core likewise `G[s] = G_s (r1 x r2)`, shape `(S, r1, r2)`. This is the `(d, dh, S)`
+tensor of the method text with the slice mode moved to the front, which turns every per-slice
+product into one batched matmul. Slice order: query heads, then key heads, then value heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .metric import WORK_DTYPE, Whitening
+
+MASK_UNIT_BITS = 16
+"""The support mask is counted in units of one 16-bit stored value (§1)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# §2 the head-concat tensor
+
+
+def head_slices(w: torch.Tensor, head_dim: int, repeat: int = 1) -> torch.Tensor:
+    """One projection `(d, heads*dh)` as `(heads*repeat, d, dh)` slices, copies adjacent."""
+    heads = w.reshape(w.shape[0], -1, head_dim).permute(1, 0, 2)
+    return heads.repeat_interleave(repeat, dim=0) if repeat > 1 else heads
+
+
+def head_concat(
+    w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, head_dim: int, kv_repeat: int = 1
+) -> torch.Tensor:
+    """Stack Q, K, V head slices (each `d x dh`, weights in `(in, out)` layout) into `(S, d, dh)`.
+
+    GQA/MQA key/value heads appear once; `kv_repeat > 1` is the ablation that repeats each of
+    them `kv_repeat` times (adjacent copies, matching how grouped query heads share them).
+    """
+    return torch.cat(
+        [
+            head_slices(w_q, head_dim),
+            head_slices(w_k, head_dim, kv_repeat),
+            head_slices(w_v, head_dim, kv_repeat),
+        ]
+    )
+
+
+def split_heads(tensor: torch.Tensor, counts: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+    """Inverse of `head_concat`'s stacking: `(S, d, dh)` -> three `(d, heads*dh)` matrices."""
+    parts = torch.split(tensor, list(counts), dim=0)
+    return tuple(p.permute(1, 0, 2).reshape(p.shape[1], -1) for p in parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# §1 storage accounting
+
+
+def mask_units(r1: int, r2: int, slices: int) -> int:
+    """Bit-packed support mask, `r1*r2*S` bits, in 16-bit units."""
+    return math.ceil(r1 * r2 * slices / MASK_UNIT_BITS)
+
+
+def storage_values(d: int, dh: int, slices: int, r1: int, r2: int, kept: int) -> int:
+    """Stored values of a Tucker Q/K/V layer: factors + kept core values (+ mask if sparse)."""
+    dense = kept >= r1 * r2 * slices
+    return d * r1 + dh * r2 + (r1 * r2 * slices if dense else kept + mask_units(r1, r2, slices))
+
+
+def core_capacity(budget: int, d: int, dh: int, slices: int, r1: int, r2: int) -> int:
+    """Largest core count `K` that fits `budget` at ranks `(r1, r2)`; `r1*r2*S` means dense, 0 none."""
+    full = r1 * r2 * slices
+    free = budget - d * r1 - dh * r2
+    if free >= full:
+        return full
+    return max(0, min(full - 1, free - mask_units(r1, r2, slices)))
+
+
+# ---------------------------------------------------------------------------------------------
+# §4-§5 balancing and HOSVD
+
+
+def slice_norms(tensor: torch.Tensor) -> torch.Tensor:
+    """Frobenius norm of every slice, floored so an all-zero slice stays finite."""
+    return tensor.flatten(1).norm(dim=1).clamp_min(torch.finfo(tensor.dtype).tiny)
+
+
+def mode1_unfold(tensor: torch.Tensor) -> torch.Tensor:
+    """`[B_1 ... B_S]`, shape `(d, S*dh)`."""
+    return tensor.permute(1, 0, 2).reshape(tensor.shape[1], -1)
+
+
+def mode2_unfold(tensor: torch.Tensor) -> torch.Tensor:
+    """`[B_1^T ... B_S^T]`, shape `(dh, S*d)`."""
+    return tensor.permute(2, 0, 1).reshape(tensor.shape[2], -1)
+
+
+def project_core(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+    """`G_s = U1^T B_s U2` for every slice."""
+    return u1.T @ tensor @ u2
+
+
+def reconstruct(u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+    """`U1 G_s U2^T` for every slice, shape `(S, d, dh)`."""
+    return u1 @ core @ u2.T
+
+
+def hosvd(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full HOSVD with the slice mode kept (§5): nested factors, so `G[:, :r1, :r2]` truncates."""
+    u1 = torch.linalg.svd(mode1_unfold(tensor), full_matrices=False)[0]
+    u2 = torch.linalg.svd(mode2_unfold(tensor), full_matrices=False)[0]
+    return u1, u2, project_core(tensor, u1, u2)
+
+
+def tucker_error(tensor: torch.Tensor, u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor) -> float:
+    """`||B - U1 G U2^T||_F^2` without forming the reconstruction (U1, U2 orthonormal)."""
+    inner = (project_core(tensor, u1, u2) * core).sum()
+    return float(tensor.pow(2).sum() - 2 * inner + core.pow(2).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# §6 budget-coupled allocation
+
+
+@dataclass(frozen=True)
+class Allocation:
+    r1: int
+    r2: int
+    kept: int
+    predicted_error: float
+    """Absolute squared error of HOSVD factors at `(r1, r2)` with the top-`kept` core (§6)."""
+
+    def is_dense(self, slices: int) -> bool:
+        return self.kept >= self.r1 * self.r2 * slices
+
+
+def top_k_mask(core: torch.Tensor, kept: int) -> torch.Tensor:
+    """Support of the `kept` largest-magnitude entries: the optimal `kept`-sparse core (§6, E.2)."""
+    flat = core.abs().flatten()
+    if kept >= flat.numel():
+        return torch.ones_like(core, dtype=torch.bool)
+    mask = torch.zeros_like(flat, dtype=torch.bool)
+    mask[torch.topk(flat, kept, sorted=False).indices] = True
+    return mask.view_as(core)
+
+
+def retained_energy(core: torch.Tensor, r1: int, r2: int, kept: int) -> float:
+    """Sum of the `kept` largest squared entries of `G[:, :r1, :r2]` (the definition)."""
+    block = core[:, :r1, :r2].pow(2).flatten()
+    return float(torch.topk(block, min(kept, block.numel())).values.sum())
+
+
+class _EnergyTable:
+    """Top-K retained energy of `G[:, :r1, :r2]` for many `r1` at one `r2`, from one sort.
+
+    Sorting the block `G[:, :, :r2]` once, the entries of `G[:, :r1, :r2]` are those with row
+    index below `r1`; a masked cumulative sum then answers each `r1` in linear time.
+    """
+
+    def __init__(self, core: torch.Tensor, r2: int) -> None:
+        block = core[:, :, :r2].pow(2)
+        rows = torch.arange(block.shape[1], device=core.device).view(1, -1, 1).expand_as(block)
+        values, order = block.flatten().sort(descending=True)
+        self.values = values
+        self.rows = rows.flatten()[order]
+
+    def energy(self, r1: int, kept: int) -> float:
+        inside = self.rows < r1
+        picked = torch.cumsum(inside, 0) <= kept
+        return float(self.values[inside & picked].sum())
+
+
+def _grid(limit: int, points: int) -> list[int]:
+    step = max(1, limit // points)
+    return sorted({*range(step, limit + 1, step), limit})
+
+
+def allocate(
+    core: torch.Tensor, total_energy: float, budget: int, d: int, dh: int, grid_points: int = 16
+) -> Allocation:
+    """Pick `(r1, r2, K)` with the least predicted error under the budget (§6).
+
+    Candidates come from the one HOSVD core: a coarse grid over both ranks, then every rank pair
+    within one coarse step of the best cell **[choice]**.
+    """
+    slices, m1, m2 = core.shape
+    best: Allocation | None = None
+    tables: dict[int, _EnergyTable] = {}
+
+    def consider(r1: int, r2: int) -> None:
+        nonlocal best
+        kept = core_capacity(budget, d, dh, slices, r1, r2)
+        if kept <= 0:
+            return
+        table = tables.get(r2) or tables.setdefault(r2, _EnergyTable(core, r2))
+        err = total_energy - table.energy(r1, kept)
+        if best is None or err < best.predicted_error:
+            best = Allocation(r1, r2, kept, err)
+
+    rows, cols = _grid(m1, grid_points), _grid(m2, grid_points // 2)
+    for r2 in cols:
+        for r1 in rows:
+            consider(r1, r2)
+    if best is None:
+        raise ValueError(f"budget of {budget} values cannot hold even rank-1 factors ({d}+{dh} values)")
+    step1, step2 = max(1, m1 // grid_points), max(1, m2 // (grid_points // 2))
+    fine1 = range(max(1, best.r1 - step1), min(m1, best.r1 + step1) + 1, max(1, step1 // 8))
+    fine2 = range(max(1, best.r2 - step2), min(m2, best.r2 + step2) + 1)
+    for r2 in fine2:
+        for r1 in fine1:
+            consider(r1, r2)
+    tables.clear()
+    return best
+
+
+def fixed_ranks(budget: int, d: int, dh: int, slices: int, m1: int, m2: int) -> tuple[int, int]:
+    """Ablation `fixed_ranks`: the same fraction of `d` and `dh`, largest one whose dense core fits."""
+    best = (1, 1)
+    for k in range(1, 1001):
+        f = k / 1000
+        r1, r2 = max(1, min(m1, round(f * d))), max(1, min(m2, round(f * dh)))
+        if d * r1 + dh * r2 + r1 * r2 * slices <= budget:
+            best = (r1, r2)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# §7 gradual pruning with support-constrained refitting
+
+
+def polar(m: torch.Tensor) -> torch.Tensor:
+    """Orthonormal polar factor `P Q^T` of `M = P S Q^T` (orthogonal Procrustes)."""
+    p, _, qh = torch.linalg.svd(m, full_matrices=False)
+    return p @ qh
+
+
+def refit(
+    tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor, mask: torch.Tensor, iterations: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Alternate the two Procrustes factor updates and the exact core on the support (§7).
+
+    Each update is optimal given the others, so the error never increases.
+    """
+    core = mask * project_core(tensor, u1, u2)
+    for _ in range(iterations):
+        u1 = polar((tensor @ u2 @ core.transpose(1, 2)).sum(0))
+        u2 = polar((tensor.transpose(1, 2) @ u1 @ core).sum(0))
+        core = mask * project_core(tensor, u1, u2)
+    return u1, u2, core
+
+
+def prune_refit(
+    tensor: torch.Tensor,
+    u1: torch.Tensor,
+    u2: torch.Tensor,
+    kept: int,
+    steps: int = 8,
+    refits: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the dense core at the chosen ranks down to `kept` entries on a geometric schedule (§7).
+
+    Returns `(U1, U2, G, mask)`. If the gradual path ends worse than the one-shot top-K core it
+    started from (refitted on its own support), that one is returned instead, so the result is
+    never worse than the allocator's prediction.
+    """
+    core = project_core(tensor, u1, u2)
+    total = core.numel()
+    if kept >= total:
+        mask = torch.ones_like(core, dtype=torch.bool)
+        return (*refit(tensor, u1, u2, mask, refits), mask)
+    oneshot_mask = top_k_mask(core, kept)
+    g1, g2 = u1, u2
+    for t in range(1, steps + 1):
+        kept_t = max(kept, round(total * (kept / total) ** (t / steps)))
+        mask = top_k_mask(core, kept_t)
+        g1, g2, core = refit(tensor, g1, g2, mask, refits)
+    o1, o2, ocore = refit(tensor, u1, u2, oneshot_mask, refits)
+    if tucker_error(tensor, o1, ocore, o2) < tucker_error(tensor, g1, core, g2):
+        return o1, o2, ocore, oneshot_mask
+    return g1, g2, core, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole Q/K/V step
+
+
+@dataclass(frozen=True)
+class TuckerFactors:
+    """A compressed joint tensor: `W_s ~= U1_hat G_s U2^T` (§9 layout)."""
+
+    u1: torch.Tensor  # (d, r1), un-whitened
+    u2: torch.Tensor  # (dh, r2)
+    core: torch.Tensor  # (S, r1, r2), zero off the support, slice norms multiplied back
+    mask: torch.Tensor | None  # (S, r1, r2) bool, None for a dense core
+
+    @property
+    def stored_values(self) -> int:
+        (d, r1), (dh, r2), slices = self.u1.shape, self.u2.shape, self.core.shape[0]
+        kept = r1 * r2 * slices if self.mask is None else int(self.mask.sum())
+        return storage_values(d, dh, slices, r1, r2, kept)
+
+    def weights(self) -> torch.Tensor:
+        """The reconstructed `(S, d, dh)` tensor."""
+        return reconstruct(self.u1, self.core, self.u2)
+
+
+@dataclass(frozen=True)
+class TuckerReport:
+    r1: int
+    r2: int
+    kept: int
+    eps: float | None
+    error_allocated: float
+    """Relative squared error of the balanced whitened tensor after allocation (HOSVD + top-K)."""
+    error_refit: float
+    """The same after gradual pruning and refitting."""
+
+
+def compress_tensor(
+    tensor: torch.Tensor,
+    whitening: Whitening,
+    budget: int,
+    *,
+    balance: bool = True,
+    coupled: bool = True,
+    steps: int = 8,
+    refits: int = 2,
+) -> tuple[TuckerFactors, TuckerReport]:
+    """Whiten, balance, allocate, prune and refit, then undo balancing and whitening (§3-§7).
+
+    `tensor` is `(S, d, dh)` in `(in, out)` layout per slice; `budget` counts stored values.
+    """
+    slices, d, dh = tensor.shape
+    whitened = whitening.apply(tensor.to(WORK_DTYPE).transpose(0, 1)).transpose(0, 1)
+    norms = slice_norms(whitened) if balance else torch.ones(slices, dtype=WORK_DTYPE, device=tensor.device)
+    balanced = whitened / norms[:, None, None]
+    total = float(balanced.pow(2).sum())
+    u1, u2, core = hosvd(balanced)
+    if coupled:
+        alloc = allocate(core, total, budget, d, dh)
+    else:
+        r1, r2 = fixed_ranks(budget, d, dh, slices, u1.shape[1], u2.shape[1])
+        dense = r1 * r2 * slices
+        alloc = Allocation(r1, r2, dense, total - float(core[:, :r1, :r2].pow(2).sum()))
+    u1, u2, core, mask = prune_refit(
+        balanced, u1[:, : alloc.r1], u2[:, : alloc.r2], alloc.kept, steps, refits
+    )
+    refit_error = tucker_error(balanced, u1, core, u2)
+    dense = bool(mask.all())
+    factors = TuckerFactors(
+        u1=whitening.unapply(u1),
+        u2=u2,
+        core=core * norms[:, None, None],
+        mask=None if dense else mask,
+    )
+    report = TuckerReport(
+        alloc.r1, alloc.r2, alloc.kept, whitening.eps, alloc.predicted_error / total, refit_error / total
+    )
+    return factors, report

@@ -1,0 +1,91 @@
+"""The metric and the matrix pieces against their definitions (ftc-method.md §3, §8, §11)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftc.lowrank import budget_rank, calibrated_wo, scaled_svd, truncated_svd, weighted_error, whitened_svd
+from ftc.metric import Moments, Whitening, damp, guarded_cholesky
+
+torch.manual_seed(0)
+D = torch.float64
+
+
+def _activations(n: int = 400, d: int = 24) -> torch.Tensor:
+    mix = torch.randn(d, d, dtype=D) * torch.logspace(0, -2, d, dtype=D)
+    return torch.randn(n, d, dtype=D) @ mix
+
+
+def test_moments_match_direct_computation():
+    x = _activations()
+    m = Moments(x.shape[1])
+    for chunk in x.split(64):
+        m.update(chunk)
+    torch.testing.assert_close(m.gram, x.T @ x / x.shape[0])
+    torch.testing.assert_close(m.abs_mean, x.abs().mean(0))
+
+
+def test_whitened_error_equals_activation_weighted_error():
+    x = _activations()
+    n = x.shape[0]
+    gram = x.T @ x / n
+    white = Whitening.from_gram(gram, eps=1e-4)
+    dw = torch.randn(x.shape[1], 7, dtype=D)
+    damping = 1e-4 * gram.diagonal().mean()
+    # ||X dW||^2 + n*eps*mean(diag C)*||dW||^2 = n ||R^T dW||^2  (the damped metric, exactly)
+    lhs = (x @ dw).pow(2).sum() + n * damping * dw.pow(2).sum()
+    rhs = n * white.apply(dw).pow(2).sum()
+    torch.testing.assert_close(lhs, rhs, rtol=1e-9, atol=0)
+    torch.testing.assert_close(white.unapply(white.apply(dw)), dw)
+
+
+def test_guard_escalates_damping_for_a_singular_gram_and_records_it():
+    # an indefinite Gram (rounding can make one) needs eps * mean(diag) > 0.01: eps = 0.1
+    gram = torch.diag(torch.tensor([1.0, 1.0, -0.01], dtype=D))
+    chol, eps = guarded_cholesky(gram, eps=1e-4)
+    assert chol is not None and eps == pytest.approx(0.1)
+    torch.testing.assert_close(chol @ chol.T, damp(gram, eps))
+    assert guarded_cholesky(torch.full((4, 4), float("nan"), dtype=D))[0] is None
+
+
+def test_truncated_svd_reaches_the_eckart_young_error():
+    w = torch.randn(30, 20, dtype=D)
+    s = torch.linalg.svdvals(w)
+    a, b = truncated_svd(w, 6)
+    torch.testing.assert_close((w - a @ b).pow(2).sum(), s[6:].pow(2).sum())
+
+
+def test_whitened_svd_minimises_the_activation_weighted_error():
+    x = _activations(d=20)
+    gram = x.T @ x / x.shape[0]
+    w = torch.randn(20, 12, dtype=D)
+    white = Whitening.from_gram(gram, eps=1e-10)
+    a, b = whitened_svd(w, white, 5)
+    tail = torch.linalg.svdvals(white.apply(w))[5:].pow(2).sum()
+    measured = (x @ (w - a @ b)).pow(2).sum() / x.shape[0]
+    torch.testing.assert_close(measured, tail, rtol=1e-6, atol=1e-12)
+    plain_a, plain_b = truncated_svd(w, 5)
+    assert weighted_error(w, a @ b, gram) < weighted_error(w, plain_a @ plain_b, gram)
+
+
+def test_scaled_svd_is_exact_at_full_rank_and_budget_rank_fits():
+    w = torch.randn(16, 8, dtype=D)
+    a, b = scaled_svd(w, torch.rand(16, dtype=D) + 0.1, 8)
+    torch.testing.assert_close(a @ b, w)
+    for rows, cols, rho in [(576, 576, 0.2), (576, 192, 0.4), (10, 3, 0.01)]:
+        r = budget_rank(rows, cols, rho)
+        assert r >= 1 and (r == 1 or r * (rows + cols) <= rho * rows * cols)
+
+
+def test_calibrated_wo_solves_the_anchored_normal_equations():
+    a_t = _activations(d=12)
+    a_s = a_t + 0.1 * torch.randn_like(a_t)
+    w_o = torch.randn(12, 9, dtype=D)
+    n = a_t.shape[0]
+    g_ss, g_tt, g_st = a_s.T @ a_s / n, a_t.T @ a_t / n, a_s.T @ a_t / n
+    w_star = calibrated_wo(g_ss, g_tt, g_st, w_o, anchor=0.5, eps=1e-12)
+    # gradient of ||A_s W - A_t W_O||^2 + a ||A_t (W - W_O)||^2 vanishes at the solution
+    grad = g_ss @ w_star - g_st @ w_o + 0.5 * g_tt @ (w_star - w_o)
+    assert grad.abs().max() < 1e-8
+    torch.testing.assert_close(calibrated_wo(g_tt, g_tt, g_tt, w_o, eps=1e-12), w_o, rtol=1e-4, atol=1e-8)

@@ -1,0 +1,136 @@
+"""Tucker compression of the joint tensor against its definitions (ftc-method.md §2, §4-§7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftc.metric import Whitening
+from ftc.tucker import (
+    _EnergyTable,
+    allocate,
+    compress_tensor,
+    core_capacity,
+    head_concat,
+    hosvd,
+    project_core,
+    prune_refit,
+    reconstruct,
+    refit,
+    retained_energy,
+    split_heads,
+    storage_values,
+    top_k_mask,
+    tucker_error,
+)
+
+D = torch.float64
+
+
+def _tensor(slices=7, d=40, dh=8, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(d, 12, dtype=D, generator=g)
+    return torch.stack([shared @ torch.randn(12, dh, dtype=D, generator=g) for _ in range(slices)]) + 0.05 * torch.randn(
+        slices, d, dh, dtype=D, generator=g
+    )
+
+
+def test_head_concat_orders_slices_and_inverts():
+    d, dh = 10, 4
+    wq, wk, wv = torch.randn(d, 3 * dh), torch.randn(d, dh), torch.randn(d, dh)
+    t = head_concat(wq, wk, wv, dh)
+    assert t.shape == (5, d, dh)
+    torch.testing.assert_close(t[1], wq[:, dh : 2 * dh])
+    torch.testing.assert_close(t[3], wk)
+    for got, want in zip(split_heads(t, (3, 1, 1)), (wq, wk, wv), strict=True):
+        torch.testing.assert_close(got, want)
+    assert head_concat(wq, wk, wv, dh, kv_repeat=3).shape == (9, d, dh)
+
+
+def test_hosvd_is_orthonormal_nested_and_exact():
+    t = _tensor()
+    u1, u2, core = hosvd(t)
+    torch.testing.assert_close(u1.T @ u1, torch.eye(u1.shape[1], dtype=D))
+    torch.testing.assert_close(u2.T @ u2, torch.eye(u2.shape[1], dtype=D))
+    torch.testing.assert_close(reconstruct(u1, core, u2), t)
+    r1, r2 = 9, 5
+    truncated = reconstruct(u1[:, :r1], core[:, :r1, :r2], u2[:, :r2])
+    torch.testing.assert_close((t - truncated).pow(2).sum(), t.pow(2).sum() - core[:, :r1, :r2].pow(2).sum())
+
+
+def test_allocators_predicted_error_equals_the_measured_truncation_error():
+    t = _tensor()
+    total = float(t.pow(2).sum())
+    u1, u2, core = hosvd(t)
+    budget = int(0.3 * t.numel())
+    alloc = allocate(core, total, budget, t.shape[1], t.shape[2])
+    g = core[:, : alloc.r1, : alloc.r2]
+    mask = top_k_mask(g, alloc.kept)
+    approx = reconstruct(u1[:, : alloc.r1], g * mask, u2[:, : alloc.r2])
+    assert (t - approx).pow(2).sum().item() == pytest.approx(alloc.predicted_error, rel=1e-9)
+    assert storage_values(t.shape[1], t.shape[2], t.shape[0], alloc.r1, alloc.r2, alloc.kept) <= budget
+
+
+def test_energy_table_matches_the_top_k_definition():
+    core = hosvd(_tensor())[2]
+    for r2 in (2, 5, 8):
+        table = _EnergyTable(core, r2)
+        for r1, kept in [(3, 10), (20, 111), (40, 10_000)]:
+            assert table.energy(r1, kept) == pytest.approx(retained_energy(core, r1, r2, kept), rel=1e-12)
+
+
+def test_core_capacity_fills_but_never_exceeds_the_budget():
+    for budget in (500, 900, 2000, 5000):
+        for r1, r2 in [(5, 3), (10, 8), (30, 8)]:
+            kept = core_capacity(budget, 40, 8, 7, r1, r2)
+            if kept > 0:
+                assert storage_values(40, 8, 7, r1, r2, kept) <= budget
+                assert kept == r1 * r2 * 7 or storage_values(40, 8, 7, r1, r2, kept + 1) > budget
+
+
+def test_refit_never_increases_the_error_on_a_fixed_support():
+    t = _tensor()
+    u1, u2, core = hosvd(t)
+    u1, u2 = u1[:, :8], u2[:, :5]
+    mask = top_k_mask(project_core(t, u1, u2), 120)
+    errors = [tucker_error(t, u1, mask * project_core(t, u1, u2), u2)]
+    for _ in range(5):
+        u1, u2, g = refit(t, u1, u2, mask, 1)
+        errors.append(tucker_error(t, u1, g, u2))
+        torch.testing.assert_close(u1.T @ u1, torch.eye(8, dtype=D))
+    assert all(b <= a + 1e-9 for a, b in zip(errors, errors[1:], strict=False))
+
+
+def test_prune_refit_ends_no_worse_than_the_allocation_and_respects_k():
+    t = _tensor()
+    total = float(t.pow(2).sum())
+    u1, u2, core = hosvd(t)
+    alloc = allocate(core, total, int(0.25 * t.numel()), t.shape[1], t.shape[2])
+    f1, f2, g, mask = prune_refit(t, u1[:, : alloc.r1], u2[:, : alloc.r2], alloc.kept)
+    assert int(mask.sum()) == alloc.kept
+    assert bool((g[~mask] == 0).all())
+    assert tucker_error(t, f1, g, f2) <= alloc.predicted_error + 1e-9
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_error_falls_as_the_keep_ratio_rises(balance):
+    t = _tensor(slices=9, d=48, dh=8)
+    x = torch.randn(300, 48, dtype=D) * torch.linspace(2, 0.1, 48, dtype=D)
+    white = Whitening.from_gram(x.T @ x / 300)
+    errors = []
+    for rho in (0.1, 0.2, 0.4, 0.6, 0.8):
+        factors, report = compress_tensor(t, white, int(rho * t.numel()), balance=balance)
+        assert factors.stored_values <= int(rho * t.numel())
+        assert report.error_refit <= report.error_allocated + 1e-12
+        errors.append(report.error_refit)
+    assert all(b < a for a, b in zip(errors, errors[1:], strict=False))
+
+
+def test_exact_low_rank_structure_is_recovered():
+    g = torch.Generator().manual_seed(3)
+    u1 = torch.linalg.qr(torch.randn(30, 4, dtype=D, generator=g))[0]
+    u2 = torch.linalg.qr(torch.randn(8, 3, dtype=D, generator=g))[0]
+    t = reconstruct(u1, torch.randn(6, 4, 3, dtype=D, generator=g), u2)
+    factors, report = compress_tensor(t, Whitening(None, None), 30 * 4 + 8 * 3 + 6 * 12, balance=False)
+    assert report.error_refit < 1e-12
+    torch.testing.assert_close(factors.weights(), t)

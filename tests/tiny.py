@@ -1,0 +1,35 @@
+"""Tiny random models of every supported attention layout, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+COMMON = dict(vocab_size=256, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
+
+LAYOUTS = {
+    "mha": lambda: LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, **COMMON),
+    "gqa": lambda: LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **COMMON),
+    "mqa": lambda: MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, **COMMON),
+    "wide_heads": lambda: LlamaConfig(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=32, **COMMON
+    ),
+    "qwen2_bias": lambda: Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **COMMON),
+    "qwen3_qk_norm": lambda: Qwen3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **COMMON
+    ),
+}
+
+
+def tiny_model(layout: str, seed: int = 0, vocab_size: int | None = None):
+    """A random model; weights are perturbed so every bias is non-zero (Qwen2 biases start at 0)."""
+    torch.manual_seed(seed)
+    config = LAYOUTS[layout]()
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
