@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .options import InputError
+
 LLAMA_STYLE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 FAMILIES: dict[str, tuple[str, tuple[str, str, str, str]]] = {
     "llama": ("model.layers", LLAMA_STYLE),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -90,7 +92,7 @@ def test_core_capacity_fills_but_never_exceeds_the_budget():
 
 def test_refit_never_increases_the_error_on_a_fixed_support():
     t = _tensor()
-    u1, u2, core = hosvd(t)
+    u1, u2, _core = hosvd(t)
     u1, u2 = u1[:, :8], u2[:, :5]
     mask = top_k_mask(project_core(t, u1, u2), 120)
     errors = [tucker_error(t, u1, mask * project_core(t, u1, u2), u2)]
@@ -98,7 +100,7 @@ def test_refit_never_increases_the_error_on_a_fixed_support():
         u1, u2, g = refit(t, u1, u2, mask, 1)
         errors.append(tucker_error(t, u1, g, u2))
         torch.testing.assert_close(u1.T @ u1, torch.eye(8, dtype=D))
-    assert all(b <= a + 1e-9 for a, b in zip(errors, errors[1:], strict=False))
+    assert all(b <= a + 1e-9 for a, b in itertools.pairwise(errors))
 
 
 def test_prune_refit_ends_no_worse_than_the_allocation_and_respects_k():
@@ -123,7 +125,7 @@ def test_error_falls_as_the_keep_ratio_rises(balance):
         assert factors.stored_values <= int(rho * t.numel())
         assert report.error_refit <= report.error_allocated + 1e-12
         errors.append(report.error_refit)
-    assert all(b < a for a, b in zip(errors, errors[1:], strict=False))
+    assert all(b < a for a, b in itertools.pairwise(errors))
 
 
 def test_exact_low_rank_structure_is_recovered():
@@ -132,5 +134,5 @@ def test_exact_low_rank_structure_is_recovered():
     u2 = torch.linalg.qr(torch.randn(8, 3, dtype=D, generator=g))[0]
     t = reconstruct(u1, torch.randn(6, 4, 3, dtype=D, generator=g), u2)
     factors, report = compress_tensor(t, Whitening(None, None), 30 * 4 + 8 * 3 + 6 * 12, balance=False)
-    assert report.error_refit < 1e-12
-    torch.testing.assert_close(factors.weights(), t)
+    assert report.error_refit < 1e-6  # float32 factor updates
+    torch.testing.assert_close(factors.weights().double(), t, rtol=1e-4, atol=1e-5)
