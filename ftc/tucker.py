@@ -151,23 +151,21 @@ def retained_energy(core: torch.Tensor, r1: int, r2: int, kept: int) -> float:
 
 
 class _EnergyTable:
-    """Top-K retained energy of `G[:, :r1, :r2]` for many `r1` at one `r2`, from one sort.
+    """Top-K retained energy of `G[:, :r1, :r2]` for many `(r1, K)` at one `r2`.
 
-    Sorting the block `G[:, :, :r2]` once, the entries of `G[:, :r1, :r2]` are those with row
-    index below `r1`; a masked cumulative sum then answers each `r1` in linear time.
+    The squared block is laid out mode-1-row-major once, so the entries of `G[:, :r1, :r2]` are a
+    prefix of it and each candidate is one partial selection (`topk`), linear in the block size.
     """
 
     def __init__(self, core: torch.Tensor, r2: int) -> None:
-        block = core[:, :, :r2].pow(2)
-        rows = torch.arange(block.shape[1], device=core.device).view(1, -1, 1).expand_as(block)
-        values, order = block.flatten().sort(descending=True)
-        self.values = values
-        self.rows = rows.flatten()[order]
+        self.row = core.shape[0] * r2
+        self.squares = core[:, :, :r2].pow(2).permute(1, 0, 2).reshape(-1).contiguous()
 
     def energy(self, r1: int, kept: int) -> float:
-        inside = self.rows < r1
-        picked = torch.cumsum(inside, 0) <= kept
-        return float(self.values[inside & picked].sum())
+        block = self.squares[: r1 * self.row]
+        if kept >= block.numel():
+            return float(block.double().sum())
+        return float(torch.topk(block, kept, sorted=False).values.double().sum())
 
 
 def _grid(limit: int, points: int) -> list[int]:
@@ -181,7 +179,7 @@ def allocate(
     """Pick `(r1, r2, K)` with the least predicted error under the budget (§6).
 
     Candidates come from the one HOSVD core: a coarse grid over both ranks, then every rank pair
-    within one coarse step of the best cell, refined one rank at a time **[choice]**.
+    around the best cell with the step halved each round, one rank at a time **[choice]**.
     """
     slices, m1, m2 = core.shape
     best: Allocation | None = None
@@ -203,14 +201,17 @@ def allocate(
             consider(r1, r2)
     if best is None:
         raise ValueError(f"budget of {budget} values cannot hold even rank-1 factors ({d}+{dh} values)")
-    # refine one coordinate at a time within one coarse step of the best cell
+    # refine around the best cell, halving the step each round, one rank at a time
     step1, step2 = max(1, m1 // grid_points), max(1, m2 // (grid_points // 2))
-    r2_best = best.r2
-    for r1 in range(max(1, best.r1 - step1), min(m1, best.r1 + step1) + 1, max(1, step1 // 8)):
-        consider(r1, r2_best)
-    r1_best = best.r1
-    for r2 in range(max(1, best.r2 - step2), min(m2, best.r2 + step2) + 1):
-        consider(r1_best, r2)
+    while step1 > 1 or step2 > 1:
+        step1, step2 = max(1, step1 // 2), max(1, step2 // 2)
+        r1_best, r2_best = best.r1, best.r2
+        for r1 in (r1_best - step1, r1_best + step1):
+            if 1 <= r1 <= m1:
+                consider(r1, r2_best)
+        for r2 in (r2_best - step2, r2_best + step2):
+            if 1 <= r2 <= m2:
+                consider(best.r1, r2)
     tables.clear()
     return best
 
