@@ -57,11 +57,19 @@ def cmd_compress(args: argparse.Namespace) -> int:
         ).validate()
     except InputError as exc:
         raise UsageError(str(exc)) from None
+    _check_inputs(options)
+    if args.dry_run:
+        from .compress import plan
+
+        print(json.dumps(plan(options), indent=2))
+        return 0
+    if args.out is None:
+        raise UsageError("--out is required (or use --dry-run)")
     out = _writable_out(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise UsageError(f"--out {args.out} exists and is not empty; pass --overwrite or pick a new folder")
-    _check_inputs(options)
-    manifest = compress(options, out, overwrite=args.overwrite, progress=not args.quiet)
+    work_dir = Path(args.work_dir) if args.work_dir else None
+    manifest = compress(options, out, work_dir=work_dir, overwrite=args.overwrite, progress=not args.quiet)
     storage = manifest["storage"]
     print(
         json.dumps(
@@ -145,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default="auto", choices=DEVICES)
     c.add_argument("--ablate", default="", help=f"comma list of: {', '.join(ABLATIONS)}")
     c.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
-    c.add_argument("--out", required=True)
+    c.add_argument("--out", help="artifact folder (written atomically)")
+    c.add_argument("--work-dir", help="keep per-layer checkpoints here; re-running resumes from them")
+    c.add_argument("--dry-run", action="store_true", help="print the plan (shapes, budgets, memory) and exit")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_compress)

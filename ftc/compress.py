@@ -1,10 +1,16 @@
 """One compression job from options to artifact: the entry point shared by the CLI, the
-benchmarks and the service workers."""
+benchmarks and the service workers.
+
+The model is never loaded whole: a skeleton on the meta device, one decoder layer materialised
+at a time from the weight source, each finished layer checkpointed to the work folder, and the
+artifact assembled from those checkpoints at the end.
+"""
 
 from __future__ import annotations
 
-import copy
+import os
 import platform
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -12,13 +18,22 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .arch import layout_of
-from .artifact import write_artifact
+from .arch import AttentionLayout, layout_of
+from .artifact import LayerStore, assemble, extra_names, layer_entry, layer_tensors
 from .data import calibration_ids, ids_sha256, load_text, tokenize
 from .methods import make_method
-from .models import ModelSource, load_model, pick_device, resolve_model
+from .models import ModelSource, pick_device, resolve_model
 from .options import METHODS, InputError, parse_ablations, validate_ratio
-from .pipeline import LayerResult, compress_model
+from .pipeline import compress_layers, layer_inputs
+from .weights import (
+    ModuleSource,
+    embedding_weight_name,
+    load_config,
+    materialize,
+    open_weights,
+    release,
+    skeleton,
+)
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -47,8 +62,8 @@ class CompressOptions:
             raise InputError("--ablate applies to --method ftc only")
         if self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
-        if self.calib_samples < 1 or self.seq_len < 2:
-            raise InputError("--calib-samples must be >= 1 and --seq-len >= 2")
+        if self.calib_samples < 1 or self.seq_len < 2 or self.batch_size < 1:
+            raise InputError("--calib-samples and --batch-size must be >= 1 and --seq-len >= 2")
         return self
 
 
@@ -56,22 +71,20 @@ def library_versions() -> dict:
     import safetensors
     import transformers
 
-    return {
-        "ftc": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "safetensors": safetensors.__version__,
-        "python": platform.python_version(),
-    }
+    return {"ftc": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__, "python": platform.python_version()}
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    return AutoTokenizer.from_pretrained(source.path, **extra)
 
 
 def calibration_batch(tokenizer, options: CompressOptions, hidden: int) -> torch.Tensor:
-    ids = calibration_ids(
-        tokenize(tokenizer, load_text(options.calib, "validation")),
-        options.calib_samples,
-        options.seq_len,
-        options.seed,
-    )
+    ids = calibration_ids(tokenize(tokenizer, load_text(options.calib, "validation")),
+                          options.calib_samples, options.seq_len, options.seed)
     if ids.numel() < hidden:
         raise InputError(
             f"calibration has {ids.numel()} tokens but the model's hidden size is {hidden}: the "
@@ -80,117 +93,155 @@ def calibration_batch(tokenizer, options: CompressOptions, hidden: int) -> torch
     return ids
 
 
+def open_model(options: CompressOptions, loaded: tuple | None = None):
+    """`(weights, tokenizer, source)` without loading any weight into memory."""
+    if loaded is not None:
+        model, tokenizer, source = loaded
+        return ModuleSource(model), tokenizer, source
+    source = resolve_model(options.model)
+    if source.kind == "artifact":
+        raise InputError(f"--model {options.model} is already a compressed artifact; give the base model")
+    config = load_config(source)
+    layout_of(config)  # fail fast on an unsupported architecture
+    return open_weights(source, config), load_tokenizer(source), source
+
+
 def compress(
     options: CompressOptions,
     out_dir: Path,
     *,
     loaded: tuple | None = None,
+    work_dir: Path | None = None,
     overwrite: bool = False,
     progress: bool = True,
     on_layer=None,
 ) -> dict:
     """Compress `options.model` and write the artifact to `out_dir`; returns the manifest.
 
-    `loaded = (model, tokenizer, source)` reuses a model already in memory (it is deep-copied,
-    so the caller's copy stays dense).
+    `work_dir` keeps per-layer checkpoints: re-running the same job with the same `work_dir`
+    resumes at the first unfinished layer. Without it a temporary folder is used and removed.
+    `loaded = (model, tokenizer, source)` takes weights from a model already in memory.
     """
     options.validate()
     t0 = time.perf_counter()
+    out_dir = Path(out_dir)
     device = pick_device(options.device)
-    if loaded is None:
-        source: ModelSource = resolve_model(options.model)
-        model, tokenizer = load_model(source, torch.float32, device)
-    else:
-        dense, tokenizer, source = loaded
-        model = copy.deepcopy(dense).to(device)
-    layout = layout_of(model.config)
-    method = make_method(options.method, options.ratio, DTYPES[options.dtype], options.ablate)
+    weights, tokenizer, source = open_model(options, loaded)
+    config = weights.config
+    layout = layout_of(config)
+    dtype = DTYPES[options.dtype]
+    method = make_method(options.method, options.ratio, dtype, options.ablate)
     calib = calibration_batch(tokenizer, options, layout.hidden) if method.needs_data else None
-    result = compress_model(
-        model,
-        layout,
-        method,
-        calib,
-        device=device,
-        batch_size=options.batch_size,
-        progress=progress,
-        on_layer=on_layer,
-    )
-    manifest = {
-        "base_model": {**source.describe(), "model_type": layout.model_type},
-        "method": options.method,
-        "ratio": options.ratio,
-        "options": {**asdict(options), "ablate": list(options.ablate)},
-        "ablations": list(options.ablate),
-        "choices": {
-            "eps": 1e-4,
-            "max_cond": 1e12,
-            "prune_steps": 8,
-            "refits": 2,
-            "anchor": 0.5,
-            "allocation_grid": "16x8 coarse, refined within one step",
-        },
-        "calibration": None
-        if calib is None
-        else {
-            "source": options.calib,
-            "split": "validation",
-            "samples": options.calib_samples,
-            "seq_len": options.seq_len,
-            "tokens": calib.numel(),
-            "seed": options.seed,
-            "sha256": ids_sha256(calib),
-        },
-        "storage": storage_summary(model, layout, result.layers, options.ratio, DTYPES[options.dtype]),
-        "compress_seconds": round(result.seconds, 3),
-        "device": str(device),
-        "versions": library_versions(),
-    }
-    manifest = write_artifact(
-        Path(out_dir), model, tokenizer, layout, result.layers, manifest, DTYPES[options.dtype], overwrite
-    )
+    description = {"model": source.describe(), "checkpoint_bytes": weights.nbytes, **asdict(options),
+                   "calibration_sha256": None if calib is None else ids_sha256(calib), "format": 1}
+    description.pop("device")  # a run may resume on another device
+    temporary = work_dir is None
+    store = LayerStore(work_dir or out_dir.parent / f".{out_dir.name}.work-{os.getpid()}", description)
+    try:
+        model = skeleton(config)
+        dense_params = _parameter_count(model)
+        start = store.finished()
+        stream = None
+        if method.needs_data:
+            embed = embedding_weight_name(model).rpartition(".")[0]
+            materialize(model, embed, weights, device, torch.float32)
+            stream = layer_inputs(model, layout, calib, options.batch_size, device)
+            release(model, embed)
+            if start:
+                stream.hidden = [stream.keep(h) for h in store.load_stream(start - 1)]
+
+        def checkpoint(result, layer) -> None:
+            prefix = f"{layout.layers_path}.{result.index}"
+            store.save_layer(result.index, layer_tensors(layer, prefix, result.groups, dtype), layer_entry(result))
+            if stream is not None:
+                store.save_stream(result.index, stream.hidden)
+            if on_layer is not None:
+                on_layer(result)
+
+        result = compress_layers(model, layout, method, stream, device=device, weights=weights, start=start,
+                                 progress=progress, on_layer=checkpoint)
+        for name in extra_names(weights.names(), layout, config):
+            tensor = weights.get(name)
+            store.save_extra(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+        entries = store.entries()
+        manifest = {
+            "base_model": {**source.describe(), "model_type": layout.model_type},
+            "method": options.method,
+            "ratio": options.ratio,
+            "options": {**asdict(options), "ablate": list(options.ablate)},
+            "ablations": list(options.ablate),
+            "choices": {"eps": 1e-4, "max_cond": 1e12, "prune_steps": 8, "refits": 2, "anchor": 0.5,
+                        "allocation_grid": "16 x 8 coarse, step-halving refinement"},
+            "calibration": None if calib is None else {
+                "source": options.calib, "split": "validation", "samples": options.calib_samples,
+                "seq_len": options.seq_len, "tokens": calib.numel(), "seed": options.seed,
+                "sha256": ids_sha256(calib)},
+            "storage": storage_summary(layout, entries, options.ratio, dtype, dense_params),
+            "resumed_from_layer": start,
+            "compress_seconds": round(result.seconds, 3),
+            "device": str(device),
+            "versions": library_versions(),
+        }
+        manifest = assemble(out_dir, store, config, tokenizer, manifest, overwrite)
+    finally:
+        if temporary:
+            shutil.rmtree(store.folder, ignore_errors=True)
     manifest["total_seconds"] = round(time.perf_counter() - t0, 3)
     return manifest
 
 
-def storage_summary(model, layout, layers: list[LayerResult], ratio: float, dtype: torch.dtype) -> dict:
+def storage_summary(layout: AttentionLayout, entries: list[dict], ratio: float, dtype: torch.dtype,
+                    dense_params: int) -> dict:
     """Budget and usage in stored values (§1), and the whole-model reduction it implies."""
-    from .stored import stored_values
-
-    qkv_used = o_used = 0
-    for layer in layers:
-        for spec, tensors in layer.groups:
-            used = stored_values(spec, tensors)
-            if spec["proj"] == ["o"]:
-                o_used += used
-            else:
-                qkv_used += used
-    n_layers = len(layers)
+    groups = [g for entry in entries for g in entry["groups"]]
+    qkv_used = sum(g["values"] for g in groups if g["proj"] != ["o"])
+    o_used = sum(g["values"] for g in groups if g["proj"] == ["o"])
+    n_layers = len(entries)
     original_attention = n_layers * (layout.qkv_params + layout.o_params)
-    dense_total = _dense_parameter_count(model, layout, n_layers)
-    saved = original_attention - qkv_used - o_used
     return {
         "value_bytes": torch.finfo(dtype).bits // 8,
         "qkv_budget_values": n_layers * int(ratio * layout.qkv_params),
         "qkv_values_used": qkv_used,
         "o_budget_values": n_layers * int(ratio * layout.o_params),
         "o_values_used": o_used,
+        "attention_bytes_written": sum(g["bytes"] for g in groups),
         "original_attention_params": original_attention,
-        "attention_share": original_attention / dense_total,
-        "model_params_dense": dense_total,
-        "model_reduction": saved / dense_total,
+        "attention_share": original_attention / dense_params,
+        "model_params_dense": dense_params,
+        "model_reduction": (original_attention - qkv_used - o_used) / dense_params,
     }
 
 
-def _dense_parameter_count(model, layout, n_layers: int) -> int:
-    """Parameters of the uncompressed model (tied embeddings counted once)."""
-    from .stored import FactoredLinear
+def _parameter_count(model) -> int:
+    """Parameters of the uncompressed model, tied weights counted once (works on meta tensors)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
-    seen, total = set(), 0
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) in seen or (isinstance(module, FactoredLinear) and name in ("a", "b")):
-                continue
-            seen.add(id(p))
-            total += p.numel()
-    return total + n_layers * (layout.qkv_params + layout.o_params)
+
+def plan(options: CompressOptions) -> dict:
+    """What a run will do and need, read from the config alone (`--dry-run`)."""
+    options.validate()
+    source = resolve_model(options.model)
+    config = load_config(source)
+    layout = layout_of(config)
+    weights = open_weights(source, config)
+    model = skeleton(config)
+    layer_params = sum(p.numel() for p in model.get_submodule(f"{layout.layers_path}.0").parameters())
+    tokens = options.calib_samples * options.seq_len
+    n_layers = len(model.get_submodule(layout.layers_path))
+    stream_bytes = tokens * layout.hidden * 4
+    workspace = 8 * layout.hidden**2 * 3 + 4 * layout.qkv_params * 4  # Grams (float64) + tensor copies
+    return {
+        "model": source.describe(), "model_type": layout.model_type, "layers": n_layers,
+        "hidden": layout.hidden, "heads": layout.heads, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
+        "slices": layout.slices,
+        "qkv_shape": [layout.hidden, layout.head_dim, layout.slices],
+        "o_shape": [layout.heads * layout.head_dim, layout.hidden],
+        "qkv_budget_values_per_layer": int(options.ratio * layout.qkv_params),
+        "o_rank": max(1, int(options.ratio * layout.o_params / (layout.heads * layout.head_dim + layout.hidden))),
+        "calibration_tokens": tokens,
+        "checkpoint_bytes": weights.nbytes,
+        "estimated_peak_bytes": {"one_layer_float32": layer_params * 4, "calibration_stream": stream_bytes,
+                                 "workspace": workspace,
+                                 "total": layer_params * 4 + stream_bytes + workspace},
+    }
+

@@ -22,6 +22,7 @@ from .arch import AttentionLayout, decoder_layers, get_module, set_module
 from .methods import ContextStats, Group, Method
 from .metric import Moments
 from .stored import build_modules
+from .weights import WeightSource, materialize, release
 
 
 class _Captured(Exception):
@@ -47,6 +48,11 @@ class Stream:
     def batches(self) -> Iterator[tuple[torch.Tensor, dict]]:
         for h, kw in zip(self.hidden, self.kwargs, strict=True):
             yield h.to(self.device, non_blocking=True), kw
+
+    def keep(self, h: torch.Tensor) -> torch.Tensor:
+        """Host copy of a batch; page-locked when a GPU will read it back asynchronously."""
+        h = h.detach().to("cpu")
+        return h.pin_memory() if self.device.type == "cuda" else h
 
 
 @dataclass
@@ -74,11 +80,12 @@ def layer_inputs(
     layers, captured rather than rebuilt, so every architecture family works the same way.
     """
     first = decoder_layers(model, layout)[0]
-    hidden, kwargs = [], []
+    stream = Stream([], [], device)
+    hidden, kwargs = stream.hidden, stream.kwargs
 
     def hook(_module, args, kw):
         h = args[0] if args else kw.pop("hidden_states")
-        hidden.append(h.detach().to(store))
+        hidden.append(stream.keep(h))
         kwargs.append({k: v for k, v in kw.items() if k != "hidden_states"})
         raise _Captured
 
@@ -89,7 +96,7 @@ def layer_inputs(
                 model(input_ids=input_ids[start : start + batch_size].to(device), use_cache=False)
     finally:
         handle.remove()
-    return Stream(hidden, kwargs, device)
+    return stream
 
 
 @torch.no_grad()
@@ -128,7 +135,7 @@ def swapped(layer: nn.Module, layout: AttentionLayout, modules: dict[str, nn.Mod
 def propagate(layer: nn.Module, stream: Stream) -> None:
     """Advance the stream through `layer` in place (per batch, results kept where they were)."""
     for i, (h, kw) in enumerate(stream.batches()):
-        stream.hidden[i] = _layer_output(layer(h, **kw)).to(stream.hidden[i].device)
+        stream.hidden[i] = stream.keep(_layer_output(layer(h, **kw)))
 
 
 @torch.no_grad()
@@ -197,6 +204,47 @@ def compress_layer(
     return [*qkv_groups, o_group], {**qkv_report, **o_report}
 
 
+def compress_layers(
+    model: nn.Module,
+    layout: AttentionLayout,
+    method: Method,
+    stream: Stream | None,
+    *,
+    device: torch.device,
+    weights: WeightSource | None = None,
+    start: int = 0,
+    compute_dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    on_layer: Callable[[LayerResult, nn.Module], None] | None = None,
+) -> PipelineResult:
+    """Compress decoder layers `start..L-1` in order; the model is modified in place.
+
+    With a weight source, each layer is materialised on `device` just before it is processed and
+    released right after `on_layer` has written it out, so only one layer is ever resident.
+    """
+    t0 = time.perf_counter()
+    result = PipelineResult()
+    layers = decoder_layers(model, layout)
+    bar = tqdm(range(start, len(layers)), desc=f"compress {type(method).__name__}", unit="layer",
+               initial=start, total=len(layers), disable=not progress)
+    for index in bar:
+        name = f"{layout.layers_path}.{index}"
+        if weights is not None:
+            materialize(model, name, weights, device, compute_dtype)
+        t1 = time.perf_counter()
+        groups, report = compress_layer(layers[index], layout, method, stream, compute_dtype)
+        layer_result = LayerResult(index, groups, report, time.perf_counter() - t1)
+        result.layers.append(layer_result)
+        if "error_refit" in report:
+            bar.set_postfix(err=f"{report['error_refit']:.3f}")
+        if on_layer is not None:
+            on_layer(layer_result, layers[index])
+        if weights is not None:
+            release(model, name)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
 def compress_model(
     model: nn.Module,
     layout: AttentionLayout,
@@ -207,24 +255,8 @@ def compress_model(
     batch_size: int = 8,
     compute_dtype: torch.dtype = torch.float32,
     progress: bool = True,
-    on_layer: Callable[[LayerResult], None] | None = None,
 ) -> PipelineResult:
-    """Compress every decoder layer in order; the model is modified in place."""
-    start = time.perf_counter()
-    result = PipelineResult()
+    """Compress a model that is fully in memory (small models, tests)."""
     stream = layer_inputs(model, layout, calibration, batch_size, device) if method.needs_data else None
-    layers = decoder_layers(model, layout)
-    bar = tqdm(
-        range(len(layers)), desc=f"compress {type(method).__name__}", unit="layer", disable=not progress
-    )
-    for index in bar:
-        t0 = time.perf_counter()
-        groups, report = compress_layer(layers[index], layout, method, stream, compute_dtype)
-        layer_result = LayerResult(index, groups, report, time.perf_counter() - t0)
-        result.layers.append(layer_result)
-        if "error_refit" in report:
-            bar.set_postfix(err=f"{report['error_refit']:.3f}")
-        if on_layer is not None:
-            on_layer(layer_result)
-    result.seconds = time.perf_counter() - start
-    return result
+    return compress_layers(model, layout, method, stream, device=device, compute_dtype=compute_dtype,
+                           progress=progress)

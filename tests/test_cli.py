@@ -10,25 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from .tiny import tiny_model
-
 FTC = [sys.executable, "-m", "ftc.cli"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """A tiny Llama saved as a Hugging Face folder, with SmolLM2's tokenizer (from the GGUF)."""
-    from transformers import AutoTokenizer
-
-    from ftc.models import resolve_model
-
-    source = resolve_model("smollm2-135m")
-    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    folder = tmp_path_factory.mktemp("tiny") / "llama"
-    model = tiny_model("gqa", vocab_size=len(tokenizer))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+@pytest.fixture()
+def model_dir(tiny_folder) -> Path:
+    return tiny_folder("gqa")
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

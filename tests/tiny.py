@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GPTJConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 COMMON = dict(vocab_size=256, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
 
@@ -18,15 +26,31 @@ LAYOUTS = {
     "qwen3_qk_norm": lambda: Qwen3Config(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **COMMON
     ),
+    # Gemma style: head_dim larger than hidden / heads, one shared K/V head
+    "gemma_mqa": lambda: GemmaConfig(
+        hidden_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=32, **COMMON
+    ),
+    # GPT-J: MHA, rotary on part of each head, parallel attention and MLP
+    "gptj": lambda: GPTJConfig(
+        vocab_size=256, n_embd=64, n_head=4, rotary_dim=8, n_layer=2, n_positions=256, n_inner=96,
+        bos_token_id=0, eos_token_id=0,
+    ),
 }
 
 
-def tiny_model(layout: str, seed: int = 0, vocab_size: int | None = None):
+def tiny_model(layout: str, seed: int = 0, vocab_size: int | None = None, layers: int | None = None,
+               hidden: int | None = None):
     """A random model; weights are perturbed so every bias is non-zero (Qwen2 biases start at 0)."""
     torch.manual_seed(seed)
     config = LAYOUTS[layout]()
     if vocab_size is not None:
         config.vocab_size = vocab_size
+    if layers is not None:
+        config.num_hidden_layers = layers
+    if hidden is not None:  # wider model, same head count
+        config.hidden_size = hidden
+        config.head_dim = hidden // config.num_attention_heads
+        config.intermediate_size = 2 * hidden
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,0 +1,179 @@
+"""Weight sources that hand out one tensor at a time, and a model skeleton with no weights.
+
+The pipeline never holds a whole model: it builds the module tree on the meta device, then
+materialises one decoder layer from the source onto the compute device, compresses it, writes
+it out and releases it. Sources: safetensors (one file or an index with shards, memory-mapped),
+GGUF (memory-mapped, dequantised per tensor), or a model already in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from .models import ModelSource
+
+
+class WeightSource(Protocol):
+    config: object
+
+    def names(self) -> list[str]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class SafetensorsSource:
+    """`model.safetensors` or `model.safetensors.index.json` + shards in a Hugging Face folder."""
+
+    def __init__(self, folder: Path, config) -> None:
+        from safetensors import safe_open
+
+        self.config = config
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (folder / "model.safetensors").is_file():
+            with safe_open(folder / "model.safetensors", "pt") as f:
+                weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise FileNotFoundError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+        self._files = {name: folder / shard for name, shard in weight_map.items()}
+        self._open = {}
+        self._safe_open = safe_open
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self._files[name]
+        if path not in self._open:
+            self._open[path] = self._safe_open(path, "pt")  # memory-mapped; reads only what is asked
+        return self._open[path].get_tensor(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.stat().st_size for p in set(self._files.values()))
+
+
+class GGUFSource:
+    """A GGUF file: tensors are dequantised one at a time from the memory-mapped file."""
+
+    def __init__(self, path: Path, config) -> None:
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            read_field,
+        )
+
+        self.config = config
+        self.path = path
+        self._reader = GGUFReader(path)
+        architecture = read_field(self._reader, "general.architecture")[0]
+        self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+        to_hf = get_gguf_hf_weights_map(skeleton(config), self._processor)
+        self._tensors = {to_hf[t.name]: t for t in self._reader.tensors if t.name in to_hf}
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def get(self, name: str) -> torch.Tensor:
+        import numpy as np
+        from gguf import dequantize
+
+        tensor = self._tensors[name]
+        weights = self._processor.process(
+            weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name, tensor_key_mapping={},
+            parsed_parameters={},
+        ).weights
+        return torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy off the map
+
+    @property
+    def nbytes(self) -> int:
+        return self.path.stat().st_size
+
+
+class ModuleSource:
+    """A model already in memory (benchmarks and tests reuse one loaded model for many runs)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.config = model.config
+        self._state = model.state_dict()
+
+    def names(self) -> list[str]:
+        return list(self._state)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._state[name].detach().clone()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._state.values())
+
+
+def load_config(source: ModelSource):
+    from transformers import AutoConfig
+
+    if source.kind == "gguf":
+        config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    else:
+        config = AutoConfig.from_pretrained(source.path)
+    if getattr(config, "quantization_config", None) is not None and source.kind == "gguf":
+        del config.quantization_config  # dequantised on read
+    return config
+
+
+def open_weights(source: ModelSource, config=None) -> WeightSource:
+    config = config or load_config(source)
+    if source.kind == "gguf":
+        return GGUFSource(source.path / source.gguf_file, config)
+    return SafetensorsSource(source.path, config)
+
+
+def skeleton(config) -> nn.Module:
+    """The model's module tree with parameters on the meta device (buffers such as rotary
+    frequencies are real: they are computed, not loaded)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
+def materialize(model: nn.Module, module_name: str, weights: WeightSource, device, dtype: torch.dtype) -> None:
+    """Load every parameter of `module_name` from the source onto `device` (floats as `dtype`)."""
+    module = model.get_submodule(module_name)
+    available = set(weights.names())
+    embed_name = embedding_weight_name(model)
+    for name, param in list(module.named_parameters()):
+        full = f"{module_name}.{name}" if module_name else name
+        if full not in available and full == "lm_head.weight":
+            full = embed_name
+        tensor = weights.get(full)
+        tensor = tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
+        owner, _, leaf = name.rpartition(".")
+        target = module.get_submodule(owner) if owner else module
+        setattr(target, leaf, nn.Parameter(tensor, requires_grad=False))
+        del param
+
+
+def release(model: nn.Module, module_name: str) -> None:
+    """Drop the weights of `module_name` back to the meta device."""
+    model.get_submodule(module_name).to("meta")
+
+
+def embedding_weight_name(model: nn.Module) -> str:
+    embed = model.get_input_embeddings()
+    for name, module in model.named_modules():
+        if module is embed:
+            return f"{name}.weight"
+    raise ValueError("model has no input embedding")
