@@ -27,9 +27,8 @@ from .options import METHODS, InputError, parse_ablations, validate_ratio
 from .pipeline import compress_layers, layer_inputs
 from .weights import (
     ModuleSource,
-    embedding_weight_name,
     load_config,
-    materialize,
+    materialize_embedding_rows,
     open_weights,
     release,
     skeleton,
@@ -143,8 +142,7 @@ def compress(
         start = store.finished()
         stream = None
         if method.needs_data:
-            embed = embedding_weight_name(model).rpartition(".")[0]
-            materialize(model, embed, weights, device, torch.float32)
+            embed = materialize_embedding_rows(model, weights, calib, device)
             stream = layer_inputs(model, layout, calib, options.batch_size, device)
             release(model, embed)
             if start:

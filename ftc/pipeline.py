@@ -35,6 +35,8 @@ class LayerResult:
     groups: list[Group]
     report: dict
     seconds: float
+    total: int
+    """Number of decoder layers in the model (for "layer i of L" progress)."""
 
 
 @dataclass
@@ -233,7 +235,7 @@ def compress_layers(
             materialize(model, name, weights, device, compute_dtype)
         t1 = time.perf_counter()
         groups, report = compress_layer(layers[index], layout, method, stream, compute_dtype)
-        layer_result = LayerResult(index, groups, report, time.perf_counter() - t1)
+        layer_result = LayerResult(index, groups, report, time.perf_counter() - t1, len(layers))
         result.layers.append(layer_result)
         if "error_refit" in report:
             bar.set_postfix(err=f"{report['error_refit']:.3f}")

@@ -45,17 +45,15 @@ class SafetensorsSource:
         else:
             raise FileNotFoundError(f"{folder} has no model.safetensors or model.safetensors.index.json")
         self._files = {name: folder / shard for name, shard in weight_map.items()}
-        self._open = {}
         self._safe_open = safe_open
 
     def names(self) -> list[str]:
         return list(self._files)
 
     def get(self, name: str) -> torch.Tensor:
-        path = self._files[name]
-        if path not in self._open:
-            self._open[path] = self._safe_open(path, "pt")  # memory-mapped; reads only what is asked
-        return self._open[path].get_tensor(name)
+        # opened per read: a long-lived map would keep every page it ever touched resident
+        with self._safe_open(self._files[name], "pt") as f:
+            return f.get_tensor(name)
 
     @property
     def nbytes(self) -> int:
@@ -164,6 +162,23 @@ def materialize(model: nn.Module, module_name: str, weights: WeightSource, devic
         target = module.get_submodule(owner) if owner else module
         setattr(target, leaf, nn.Parameter(tensor, requires_grad=False))
         del param
+
+
+def materialize_embedding_rows(model: nn.Module, weights: WeightSource, token_ids: torch.Tensor, device) -> str:
+    """Load only the input-embedding rows that `token_ids` use, in float32; returns the module name.
+
+    The rest of the matrix is allocated but never written or read, so it never becomes resident:
+    calibration needs a few thousand rows of a vocabulary that may hold hundreds of thousands.
+    """
+    name = embedding_weight_name(model)
+    stored = weights.get(name)
+    rows = torch.unique(token_ids)
+    table = torch.empty(stored.shape, dtype=torch.float32, device=device)
+    table[rows.to(device)] = stored[rows].to(device, torch.float32)
+    del stored
+    module_name = name.rpartition(".")[0]
+    model.get_submodule(module_name).weight = nn.Parameter(table, requires_grad=False)
+    return module_name
 
 
 def release(model: nn.Module, module_name: str) -> None:

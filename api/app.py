@@ -1,0 +1,66 @@
+"""The FastAPI application: routes, auth, errors and the lifetime of the service clients.
+
+`create_app()` is the entry point (`uvicorn --factory api.app:create_app`). It imports nothing of
+the compression library beyond `ftc.options`, so the API starts without torch or ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from api.errors import add_error_handlers
+from api.metrics import RequestTimer
+from api.routes import artifacts, events, health, jobs, uploads
+from service.auth import ApiKeys
+from service.queue import run_janitor
+from service.redis_client import REDIS_DOWN_ERRORS
+from service.runtime import Services
+from service.settings import Settings
+from service.store import store_for
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; fails at once on unusable settings (no API keys, a bad store URL)."""
+    settings = settings or Settings()
+    api_keys = ApiKeys.parse(settings.api_keys)
+    store = store_for(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = Services.open(settings, store)
+        app.state.services = services
+        try:
+            await services.queue.ensure_group()
+        except REDIS_DOWN_ERRORS as error:  # start anyway: /readyz says 503 until Redis is back
+            log.warning("Redis unreachable at startup (%s); serving 503 until it is back", error)
+        stop = asyncio.Event()
+        janitor = None
+        if settings.janitor_interval_seconds > 0:
+            janitor = asyncio.create_task(run_janitor(services.queue, settings.janitor_interval_seconds, stop))
+        try:
+            yield
+        finally:
+            stop.set()
+            if janitor is not None:
+                await janitor
+            await services.close()
+
+    app = FastAPI(
+        title="ftc-compress job service",
+        version="1",
+        description="Submit attention-compression jobs, follow their progress, fetch their artifacts.",
+        lifespan=lifespan,
+    )
+    app.state.api_keys = api_keys
+    app.add_middleware(RequestTimer)
+    add_error_handlers(app)
+    for module in (jobs, events, artifacts, uploads, health):
+        app.include_router(module.router)
+    return app

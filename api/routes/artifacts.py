@@ -1,0 +1,63 @@
+"""A job's artifacts: the listing with download links, and the download itself for local stores."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Request, status
+from fastapi.responses import StreamingResponse
+
+from api.deps import AppSettings, Jobs, Store, Team
+from api.errors import documented
+from api.routes.jobs import JobId
+from service.artifacts import list_artifacts, media_type
+from service.schemas import ArtifactList
+from service.store import ObjectMissing
+from service.store.layout import check_key, job_prefix
+
+router = APIRouter(prefix="/v1/jobs", tags=["artifacts"], responses=documented(401, 404, 503))
+
+
+@router.get(
+    "/{job_id}/artifacts",
+    response_model=ArtifactList,
+)
+async def get_artifacts(
+    job_id: JobId, team: Team, jobs: Jobs, store: Store, settings: AppSettings, request: Request
+) -> ArtifactList:
+    """What the job has written so far; `complete` once its manifest is there."""
+    await jobs.require(team, job_id)
+
+    def stream_url(name: str) -> str:
+        return str(request.url_for("download_artifact", job_id=job_id, name=name))
+
+    return await asyncio.to_thread(list_artifacts, store, team, job_id, stream_url, settings.presign_seconds)
+
+
+@router.get(
+    "/{job_id}/artifacts/{name:path}",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}},
+)
+async def download_artifact(
+    job_id: JobId,
+    name: Annotated[str, Path(description="An artifact name from the listing")],
+    team: Team,
+    jobs: Jobs,
+    store: Store,
+) -> StreamingResponse:
+    """Stream one artifact from the store (the listing links here when the store cannot presign)."""
+    await jobs.require(team, job_id)
+    missing = HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} has no artifact {name!r}")
+    try:
+        key = check_key(job_prefix(team, job_id) + name)
+        chunks = await asyncio.to_thread(store.iter_chunks, key)
+    except (ValueError, ObjectMissing):
+        raise missing from None
+    filename = name.rsplit("/", 1)[-1]
+    return StreamingResponse(
+        chunks,
+        media_type=media_type(name),
+        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+    )

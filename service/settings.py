@@ -1,0 +1,45 @@
+"""Service configuration, read once from `FTC_*` environment variables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything the API and the workers need to find Redis, the object store and the teams.
+
+    One class so that a deployment is described by its environment alone (see docs/service.md).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="FTC_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_seconds: float = Field(2.0, gt=0, description="Socket timeout; an outage answers 503 fast.")
+    key_prefix: str = Field("ftc", pattern=r"^[A-Za-z0-9_.-]+$", description="Namespace of every Redis key.")
+
+    store_url: str = Field("./ftc-store", description="A local folder path or s3://bucket/prefix.")
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, ...); None = AWS.")
+    s3_region: str = "us-east-1"
+    s3_presign_endpoint_url: str | None = Field(
+        None, description="Endpoint put in download links, when clients reach S3 by another name."
+    )
+    store_retries: int = Field(5, ge=1, description="Attempts per object-store call before giving up.")
+    store_backoff_seconds: float = Field(0.2, ge=0, description="First retry delay; doubles each attempt.")
+    presign_seconds: int = Field(3600, ge=60, le=7 * 24 * 3600)
+
+    api_keys: str = Field("", description="`key:team,...` or the path of a file with one `key:team` a line.")
+
+    lease_seconds: int = Field(120, ge=5, description="A worker that stops heartbeating loses its job.")
+    max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it fails for good.")
+    janitor_interval_seconds: float = Field(15.0, ge=0, description="0 turns the in-API janitor off.")
+    idempotency_ttl_seconds: int = Field(24 * 3600, ge=60)
+    max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, parsed on first use."""
+    return Settings()

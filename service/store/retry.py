@@ -1,0 +1,62 @@
+"""Retrying object-store calls with exponential backoff, for outages that last seconds."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from botocore.exceptions import ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from service.store.base import StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "ServiceUnavailable", "InternalError"}
+)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Connection failures, timeouts, 5xx answers and throttling are worth retrying; 4xx are not."""
+    if isinstance(error, (BotoConnectionError, HTTPClientError)):
+        return True
+    if isinstance(error, ClientError):
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return status >= 500 or error.response.get("Error", {}).get("Code") in _TRANSIENT_CODES
+    return False
+
+
+def with_retries(
+    call: Callable[[], T],
+    *,
+    what: str,
+    attempts: int,
+    base_delay: float,
+    max_delay: float = 10.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Run `call`, retrying transient failures after base_delay, 2*base_delay, ... (with jitter).
+
+    After the last attempt the failure becomes StoreUnavailable naming the operation, so callers
+    and job records say what could not be done rather than showing a botocore traceback.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            if attempt == attempts:
+                raise StoreUnavailable(
+                    f"object store unavailable: {what} failed {attempts} times; last error: {error}"
+                ) from error
+            delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * random.uniform(0.8, 1.2)
+            log.warning("%s failed (%s); retry %d/%d in %.2fs", what, error, attempt, attempts - 1, delay)
+            sleep(delay)
+    raise AssertionError("unreachable")
