@@ -8,6 +8,7 @@ and exit code 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -171,11 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=cmd_eval)
 
-    try:
-        from service.cli import register
-    except ImportError:  # the service extras are optional for library users
-        register = None
-    if register is not None:
+    # service commands live with the service; their modules import nothing heavy at import time
+    for module in ("service.cli", "workers.cli"):
+        try:
+            register = importlib.import_module(module).register
+        except ModuleNotFoundError:  # the service parts are optional for library users
+            continue
         register(sub)
     return parser
 
