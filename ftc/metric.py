@@ -50,13 +50,6 @@ class Moments:
         return self.abs_sum / max(self.count, 1)
 
 
-def cross_gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`A^T B` over flattened rows, in the work precision."""
-    a2 = a.reshape(-1, a.shape[-1]).to(WORK_DTYPE)
-    b2 = b.reshape(-1, b.shape[-1]).to(WORK_DTYPE)
-    return a2.T @ b2
-
-
 def damp(gram: torch.Tensor, eps: float) -> torch.Tensor:
     """`C + eps * mean(diag(C)) * I` (§3). A zero Gram is damped by `eps` alone."""
     scale = gram.diagonal().mean().clamp_min(torch.finfo(WORK_DTYPE).tiny)

@@ -46,12 +46,6 @@ def head_concat(
     )
 
 
-def split_heads(tensor: torch.Tensor, counts: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
-    """Inverse of `head_concat`'s stacking: `(S, d, dh)` -> three `(d, heads*dh)` matrices."""
-    parts = torch.split(tensor, list(counts), dim=0)
-    return tuple(p.permute(1, 0, 2).reshape(p.shape[1], -1) for p in parts)
-
-
 # ---------------------------------------------------------------------------------------------
 # §1 storage accounting
 
@@ -129,9 +123,6 @@ class Allocation:
     kept: int
     predicted_error: float
     """Absolute squared error of HOSVD factors at `(r1, r2)` with the top-`kept` core (§6)."""
-
-    def is_dense(self, slices: int) -> bool:
-        return self.kept >= self.r1 * self.r2 * slices
 
 
 def top_k_mask(core: torch.Tensor, kept: int) -> torch.Tensor:
