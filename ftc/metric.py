@@ -66,14 +66,32 @@ def guarded_cholesky(
     """
     gram = gram.to(WORK_DTYPE)
     while eps <= max_eps * (1 + 1e-9):
-        damped = damp(gram, eps)
-        chol, info = torch.linalg.cholesky_ex(damped)
-        if int(info) == 0:
-            eig = torch.linalg.eigvalsh(damped)
-            if eig[0] > 0 and float(eig[-1] / eig[0]) <= max_cond:
-                return chol, eps
+        chol, info = torch.linalg.cholesky_ex(damp(gram, eps))
+        if int(info) == 0 and condition_number(chol) <= max_cond:
+            return chol, eps
         eps *= 10.0
     return None, None
+
+
+def condition_number(chol: torch.Tensor, iterations: int = 50) -> float:
+    """Condition number of `C = R R^T` from its Cholesky factor, by power and inverse iteration.
+
+    Each step costs two triangular products or one triangular solve, O(d^2), where an
+    eigendecomposition would cost O(d^3); the guard only needs the order of magnitude.
+    """
+    if not torch.isfinite(chol).all():
+        return float("inf")
+    start = torch.randn(chol.shape[0], 1, dtype=chol.dtype, generator=torch.Generator().manual_seed(0))
+    start = start.to(chol.device) / start.norm()
+    largest, v = 0.0, start
+    for _ in range(iterations):
+        w = chol @ (chol.T @ v)
+        largest, v = float(w.norm()), w / w.norm()
+    inverse, u = 0.0, start
+    for _ in range(iterations):
+        w = torch.cholesky_solve(u, chol)
+        inverse, u = float(w.norm()), w / w.norm()
+    return largest * inverse
 
 
 @dataclass(frozen=True)
