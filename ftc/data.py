@@ -76,9 +76,31 @@ def load_text(dataset: str, split: str = "test") -> str:
     raise DatasetError(f"unknown dataset {dataset!r}; use wikitext2, ptb, or a path to a .txt/.jsonl file")
 
 
+def text_chunks(text: str, size: int = 1 << 16, separator: str = "\n\n"):
+    """Pieces of about `size` characters, each cut where a whole whitespace run before a row begins.
+
+    Byte-level BPE pre-tokenises a complete whitespace run and the word after it the same way
+    whatever comes before, so the pieces tokenise to the ids of the whole text (a test checks
+    this on the shipped files) without the tokenizer's transient memory for a megabyte string.
+    """
+    start = 0
+    while start < len(text):
+        cut = text.find(separator, start + size)
+        if cut < 0:
+            yield text[start:]
+            return
+        while cut > start + 1 and text[cut - 1].isspace():  # never split a whitespace run
+            cut -= 1
+        yield text[start:cut]
+        start = cut
+
+
 def tokenize(tokenizer, text: str) -> torch.Tensor:
     """All token ids of `text` as one 1-D tensor (no special tokens: windows are cut from it)."""
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    ids: list[int] = []
+    for piece in text_chunks(text):
+        ids.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def calibration_ids(ids: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:
