@@ -132,23 +132,29 @@ class LayerStore:
             count += 1
         return count
 
-    def save_layer(self, index: int, tensors: dict[str, torch.Tensor], entry: dict) -> None:
+    def save_layer(self, index: int, tensors: dict[str, torch.Tensor], entry: dict,
+                   hidden: list[torch.Tensor] | None = None) -> None:
+        """Commit a finished layer and, if given, the stream entering the next one.
+
+        Order matters for a kill at any point: the new stream and the layer tensors first, the
+        layer's JSON entry (the commit) next, the previous stream only after that.
+        """
+        if hidden is not None:
+            _atomic_save({f"batch.{i}": h.cpu().contiguous() for i, h in enumerate(hidden)}, self._stream(index))
         _atomic_save(tensors, self._layer(index, "safetensors"))
-        _atomic_write_bytes(self._layer(index, "json"), json.dumps(entry, indent=2).encode())  # last: commit
+        _atomic_write_bytes(self._layer(index, "json"), json.dumps(entry, indent=2).encode())
+        for old in self.folder.glob("stream-*.safetensors"):
+            if old != self._stream(index):
+                old.unlink(missing_ok=True)
 
     def entries(self) -> list[dict]:
         return [json.loads(self._layer(i, "json").read_text()) for i in range(self.finished())]
 
-    def save_stream(self, after_layer: int, hidden: list[torch.Tensor]) -> None:
-        """The calibration hidden states entering layer `after_layer + 1` (older ones dropped)."""
-        _atomic_save({f"batch.{i}": h.cpu().contiguous() for i, h in enumerate(hidden)},
-                     self.folder / f"stream-{after_layer:03d}.safetensors")
-        for old in self.folder.glob("stream-*.safetensors"):
-            if old.name != f"stream-{after_layer:03d}.safetensors":
-                old.unlink(missing_ok=True)
+    def _stream(self, after_layer: int) -> Path:
+        return self.folder / f"stream-{after_layer:03d}.safetensors"
 
     def load_stream(self, after_layer: int) -> list[torch.Tensor]:
-        path = self.folder / f"stream-{after_layer:03d}.safetensors"
+        path = self._stream(after_layer)
         if not path.exists():
             raise InputError(f"work dir {self.folder} lacks the stream after layer {after_layer}; delete it")
         saved = load_file(str(path))

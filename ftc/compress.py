@@ -150,9 +150,8 @@ def compress(
 
         def checkpoint(result, layer) -> None:
             prefix = f"{layout.layers_path}.{result.index}"
-            store.save_layer(result.index, layer_tensors(layer, prefix, result.groups, dtype), layer_entry(result))
-            if stream is not None:
-                store.save_stream(result.index, stream.hidden)
+            store.save_layer(result.index, layer_tensors(layer, prefix, result.groups, dtype), layer_entry(result),
+                             None if stream is None else stream.hidden)
             if on_layer is not None:
                 on_layer(result)
 
