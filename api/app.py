@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from api.errors import add_error_handlers
 from api.metrics import RequestTimer
-from api.routes import artifacts, events, health, jobs, uploads
+from api.routes import artifacts, dashboard, events, health, jobs, sweeps, uploads
 from service.auth import ApiKeys
 from service.queue import run_janitor
 from service.redis_client import REDIS_DOWN_ERRORS
@@ -61,6 +61,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.api_keys = api_keys
     app.add_middleware(RequestTimer)
     add_error_handlers(app)
-    for module in (jobs, events, artifacts, uploads, health):
+    for module in (jobs, events, artifacts, uploads, sweeps, health, dashboard):
         app.include_router(module.router)
     return app

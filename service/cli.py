@@ -1,4 +1,5 @@
-"""The service commands of the `ftc` CLI: `serve`, `submit` and `jobs ls|get|cancel|watch`.
+"""The service commands of the `ftc` CLI: `serve`, `submit` and `jobs ls|get|cancel|watch`
+(plus `sweep ...` and `scheduler`, from service.sweep_cli).
 
 `ftc.cli` calls `register(subparsers)`; every command sets `func(args) -> exit code`. The client
 commands read FTC_API_URL and FTC_API_KEY. Failures print one line on stderr and exit with 2.
@@ -90,6 +91,15 @@ def build_request(args: argparse.Namespace, upload: Callable[[Path], str]) -> di
         request["ratio"] = args.ratio
     if args.ablate:
         request["ablate"] = _csv(args.ablate)
+    request |= calibration_and_eval(args, upload)
+    if args.priority:
+        request["priority"] = args.priority
+    return request
+
+
+def calibration_and_eval(args: argparse.Namespace, upload: Callable[[Path], str]) -> dict[str, Any]:
+    """The `calibration` and `eval` sections the flags give (jobs and sweeps share them)."""
+    request: dict[str, Any] = {}
     calibration = {
         "dataset": args.calib,
         "samples": args.calib_samples,
@@ -107,8 +117,6 @@ def build_request(args: argparse.Namespace, upload: Callable[[Path], str]) -> di
         given = {k: v for k, v in section.items() if v is not None}
         if given:
             request[name] = given
-    if args.priority:
-        request["priority"] = args.priority
     return request
 
 
@@ -189,13 +197,7 @@ def _add_submit_flags(parser: argparse.ArgumentParser) -> None:
     ratio.add_argument("--ratio", type=float, help="keep ratio in (0, 1]")
     ratio.add_argument("--ratios", type=_ratios, help="several keep ratios, one linked job each: 0.3,0.5")
     parser.add_argument("--ablate", help="FTC components to remove, comma-separated")
-    parser.add_argument("--calib", help="calibration dataset name, upload URI, or a local file to upload")
-    parser.add_argument("--calib-samples", type=int)
-    parser.add_argument("--seq-len", type=int, help="calibration sequence length")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--eval-datasets", help="comma-separated; empty for no evaluation")
-    parser.add_argument("--eval-seq-len", type=int)
-    parser.add_argument("--max-windows", type=int)
+    add_calibration_and_eval_flags(parser)
     parser.add_argument("--priority", choices=("high", "normal", "low"))
     parser.add_argument(
         "--idempotency-key",
@@ -205,8 +207,18 @@ def _add_submit_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_calibration_and_eval_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--calib", help="calibration dataset name, upload URI, or a local file to upload")
+    parser.add_argument("--calib-samples", type=int)
+    parser.add_argument("--seq-len", type=int, help="calibration sequence length")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--eval-datasets", help="comma-separated; empty for no evaluation")
+    parser.add_argument("--eval-seq-len", type=int)
+    parser.add_argument("--max-windows", type=int)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `serve`, `submit` and `jobs` to the `ftc` command line."""
+    """Add `serve`, `submit`, `jobs`, `sweep` and `scheduler` to the `ftc` command line."""
     serve = subparsers.add_parser("serve", help="run the job API (needs Redis; see docs/service.md)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -234,3 +246,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action = actions.add_parser(name, help=text)
         action.add_argument("job_id")
         action.set_defaults(func=func)
+
+    from service.sweep_cli import register as register_sweeps  # sweep commands live in their own module
+
+    register_sweeps(subparsers)

@@ -66,6 +66,40 @@ class ApiClient:
         with open(path, "rb") as body:
             return self._request("POST", "/v1/uploads", params={"filename": path.name}, content=body)
 
+    def create_sweep(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self._request("POST", "/v1/sweeps", json=request)
+
+    def get_sweep(self, sweep_id: str, run: str | None = None) -> dict[str, Any]:
+        return self._request("GET", f"/v1/sweeps/{sweep_id}", params={"run": run} if run else None)
+
+    def list_sweeps(self, limit: int = 20, cursor: str | None = None) -> dict[str, Any]:
+        params = {"limit": limit, **({"cursor": cursor} if cursor else {})}
+        return self._request("GET", "/v1/sweeps", params=params)
+
+    def cancel_sweep(self, sweep_id: str) -> dict[str, Any]:
+        return self._request("DELETE", f"/v1/sweeps/{sweep_id}")
+
+    def run_sweep(self, sweep_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/v1/sweeps/{sweep_id}/runs")
+
+    def sweep_files(self, sweep_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/sweeps/{sweep_id}/files")
+
+    def download_sweep_file(self, sweep_id: str, name: str, out: Path) -> int:
+        """Stream one of the sweep's files to `out`; returns its size."""
+        path = f"/v1/sweeps/{sweep_id}/files/{name}"
+        try:
+            with self.http.stream("GET", path) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise ApiError(f"GET {path} answered {response.status_code}: {_reason(response)}")
+                with open(out, "wb") as sink:
+                    for chunk in response.iter_bytes():
+                        sink.write(chunk)
+        except httpx.HTTPError as error:
+            raise ApiError(f"cannot reach the job API at {self.base_url}: {error}") from None
+        return out.stat().st_size
+
     def events(self, job_id: str, reconnects: int = 5) -> Iterator[tuple[str, dict[str, Any]]]:
         """(event type, data) pairs until the job's final status; reconnects where it left off."""
         last_id: str | None = None

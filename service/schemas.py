@@ -69,6 +69,13 @@ class Evaluation(_Strict):
     datasets: list[DatasetName] = Field(default_factory=lambda: ["wikitext2"], max_length=8)
     seq_len: int = Field(512, ge=16, le=16384)
     max_windows: int | None = Field(None, ge=1, le=100_000, description="Cap on evaluation windows.")
+    # Left out of stored requests when false, so requests (and their idempotency digests) read as before.
+    dense_reference: bool = Field(
+        False,
+        exclude_if=lambda value: not value,
+        description="Also evaluate the uncompressed model on the same datasets; metrics.json then carries "
+        "dense_perplexity. Sweeps set it on one job set per model, for the 'ratio to dense' column.",
+    )
 
     @field_validator("datasets")
     @classmethod

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from boto3.exceptions import S3UploadFailedError
 from botocore.exceptions import ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
@@ -29,6 +30,8 @@ def is_transient(error: BaseException) -> bool:
     if isinstance(error, ClientError):
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         return status >= 500 or error.response.get("Error", {}).get("Code") in _TRANSIENT_CODES
+    if isinstance(error, S3UploadFailedError) and error.__context__ is not None:
+        return is_transient(error.__context__)  # upload_file wraps the ClientError it got
     return False
 
 

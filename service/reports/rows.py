@@ -1,0 +1,144 @@
+"""One result row per cell, read from the `metrics.json` each job leaves in the store.
+
+The contract with the workers (docs/sweeps.md): `{team}/jobs/{job_id}/metrics.json` holds
+
+    {"perplexity": {"wikitext2": {"ppl": 31.2, ...}, ...},        one entry per eval dataset
+     "dense_perplexity": {"wikitext2": {"ppl": 29.9, ...}, ...},  when eval.dense_reference was set
+     "storage": {"attention_bytes_written": ..., "model_reduction": ...},   the manifest's accounting
+     "timings": {"total_seconds": ...}}
+
+A perplexity entry may also be a bare number. Anything missing leaves its cell empty instead of
+failing the report: a table with a gap is more useful than no table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.store import ObjectMissing, ObjectStore
+from service.store.layout import METRICS, job_prefix
+from service.sweeps.schemas import variant_label
+from service.sweeps.store import RunCell
+
+
+@dataclass(frozen=True)
+class CellMetrics:
+    perplexity: dict[str, float] = field(default_factory=dict)
+    dense_perplexity: dict[str, float] = field(default_factory=dict)
+    attention_bytes: int | None = None
+    model_reduction: float | None = None
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    """A cell of the result table: what was run, how it ended and what it measured."""
+
+    model: str
+    method: str
+    ratio: float
+    status: str
+    job_id: str | None = None
+    perplexity: dict[str, float] = field(default_factory=dict)
+    ratio_to_dense: dict[str, float] = field(default_factory=dict)
+    attention_bytes: int | None = None
+    model_reduction: float | None = None
+    seconds: float | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ResultRow:
+        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        return cls(**known)
+
+
+def _perplexity(value: Any) -> float | None:
+    if isinstance(value, Mapping):
+        value = value.get("ppl")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    return None
+
+
+def _per_dataset(section: Any) -> dict[str, float]:
+    if not isinstance(section, Mapping):
+        return {}
+    found = {name: _perplexity(value) for name, value in section.items()}
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def parse_metrics(data: Any) -> CellMetrics:
+    """Read a metrics.json document; unknown or malformed parts are left out."""
+    if not isinstance(data, Mapping):
+        return CellMetrics()
+    storage = data.get("storage") if isinstance(data.get("storage"), Mapping) else {}
+    timings = data.get("timings") if isinstance(data.get("timings"), Mapping) else {}
+    attention_bytes = _number(storage.get("attention_bytes_written"))
+    return CellMetrics(
+        perplexity=_per_dataset(data.get("perplexity")),
+        dense_perplexity=_per_dataset(data.get("dense_perplexity")),
+        attention_bytes=int(attention_bytes) if attention_bytes is not None else None,
+        model_reduction=_number(storage.get("model_reduction")),
+        seconds=_number(timings.get("total_seconds")),
+    )
+
+
+def read_metrics(store: ObjectStore, team: str, job_id: str) -> CellMetrics | None:
+    """The job's metrics, or None when it left no readable metrics.json."""
+    try:
+        return parse_metrics(json.loads(store.get_bytes(job_prefix(team, job_id) + METRICS)))
+    except (ObjectMissing, ValueError):
+        return None
+
+
+def result_rows(store: ObjectStore, team: str, cells: list[RunCell]) -> tuple[list[ResultRow], dict[str, dict]]:
+    """The rows of a run (in cell order) and the dense perplexity per model and dataset."""
+    metrics = {
+        cell.planned.job_id: read_metrics(store, team, cell.planned.job_id)
+        for cell in cells
+        if cell.planned.job_id and cell.status == "succeeded"
+    }
+    dense: dict[str, dict[str, float]] = {}
+    for cell in cells:
+        found = metrics.get(cell.planned.job_id)
+        if found is not None and found.dense_perplexity:
+            dense.setdefault(cell.planned.model, found.dense_perplexity)
+    rows = []
+    for cell in cells:
+        planned, state = cell.planned, cell.state
+        found = metrics.get(planned.job_id)
+        reference = dense.get(planned.model, {})
+        error = state.error if state else None
+        if cell.status == "succeeded" and found is None:
+            error = "the job left no readable metrics.json"
+        seconds = found.seconds if found else None
+        if seconds is None and state and state.started_at and state.finished_at:
+            seconds = state.finished_at - state.started_at
+        perplexity = found.perplexity if found else {}
+        rows.append(
+            ResultRow(
+                model=planned.model,
+                method=variant_label(planned.method, planned.ablate),
+                ratio=planned.ratio,
+                status=cell.status,
+                job_id=planned.job_id,
+                perplexity=perplexity,
+                ratio_to_dense={d: p / reference[d] for d, p in perplexity.items() if d in reference},
+                attention_bytes=found.attention_bytes if found else None,
+                model_reduction=found.model_reduction if found else None,
+                seconds=round(seconds, 3) if seconds is not None else None,
+                error=error,
+            )
+        )
+    return rows, dense

@@ -1,0 +1,98 @@
+"""The result table of a run as CSV (for scripts) and Markdown (for people).
+
+Columns: model, method, rho, then per evaluation dataset the perplexity and its ratio to the dense
+model, then storage (attention bytes written, whole-model reduction) and seconds. Each model's
+dense reference comes first as a `dense` row at rho 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterable
+
+from service.reports.rows import ResultRow
+
+
+def _ordered(rows: Iterable[ResultRow], dense: dict[str, dict[str, float]]) -> list[ResultRow]:
+    """Dense rows first per model, then the model's cells by method and decreasing rho."""
+    rows = list(rows)
+    methods = list(dict.fromkeys(row.method for row in rows))
+    ordered = []
+    for model in dict.fromkeys(row.model for row in rows):
+        if model in dense:
+            ordered.append(
+                ResultRow(
+                    model=model,
+                    method="dense",
+                    ratio=1.0,
+                    status="succeeded",
+                    perplexity=dense[model],
+                    ratio_to_dense=dict.fromkeys(dense[model], 1.0),
+                )
+            )
+        mine = [row for row in rows if row.model == model]
+        ordered += sorted(mine, key=lambda row: (methods.index(row.method), -row.ratio))
+    return ordered
+
+
+def csv_table(rows: Iterable[ResultRow], dense: dict[str, dict[str, float]], datasets: list[str]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(
+        ["model", "method", "rho", "status"]
+        + [f"ppl_{d}" for d in datasets]
+        + [f"ratio_to_dense_{d}" for d in datasets]
+        + ["attention_bytes", "model_reduction", "seconds", "job_id", "error"]
+    )
+    for row in _ordered(rows, dense):
+        writer.writerow(
+            [row.model, row.method, row.ratio, row.status]
+            + [_plain(row.perplexity.get(d)) for d in datasets]
+            + [_plain(row.ratio_to_dense.get(d)) for d in datasets]
+            + [_plain(row.attention_bytes), _plain(row.model_reduction), _plain(row.seconds)]
+            + [row.job_id or "", row.error or ""]
+        )
+    return out.getvalue()
+
+
+def _plain(value: float | int | None) -> str:
+    if value is None:
+        return ""
+    return str(value) if isinstance(value, int) else f"{value:.10g}"  # full precision, without float noise
+
+
+def markdown_table(rows: Iterable[ResultRow], dense: dict[str, dict[str, float]], datasets: list[str]) -> str:
+    header = ["model", "method", "rho"]
+    for d in datasets:
+        header += [f"ppl {d}", "x dense"]
+    header += ["attention MiB", "model reduction", "seconds"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in _ordered(rows, dense):
+        cells = [_escape(row.model), _escape(row.method), f"{row.ratio:g}"]
+        for d in datasets:
+            value = row.perplexity.get(d)
+            cells.append(f"{value:.3f}" if value is not None else row.status if row.status != "succeeded" else "-")
+            ratio = row.ratio_to_dense.get(d)
+            cells.append(f"{ratio:.2f}x" if ratio is not None else "")
+        cells.append(f"{row.attention_bytes / 2**20:.2f}" if row.attention_bytes is not None else "")
+        cells.append(f"{row.model_reduction:.1%}" if row.model_reduction is not None else "")
+        cells.append(f"{row.seconds:.0f}" if row.seconds is not None else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def failures(rows: Iterable[ResultRow]) -> list[str]:
+    """One Markdown list item per cell that did not give a result, with its reason."""
+    return [
+        f"- {_escape(row.model)} {_escape(row.method)} rho {row.ratio:g}: {row.status}"
+        + (f" ({_escape(row.error)})" if row.error else "")
+        + (f", job `{row.job_id}`" if row.job_id else "")
+        for row in rows
+        if row.status != "succeeded" or row.error
+    ]
+
+
+def _escape(text: str) -> str:
+    """Keep a value inside its table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")

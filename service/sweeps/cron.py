@@ -1,0 +1,50 @@
+"""Cron schedules of campaigns: which expressions are accepted and when their slots fall.
+
+Times are epoch seconds; a schedule is read in its sweep's IANA time zone, so "0 2 * * *" in
+Europe/Paris stays at 02:00 local time across daylight-saving changes.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import croniter
+
+ALIASES = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+
+
+def check_schedule(expression: str) -> str:
+    """Accept five-field cron expressions and the usual @aliases; seconds fields are refused."""
+    text = " ".join(expression.split())
+    fields = text.split(" ")
+    if not (text in ALIASES or (len(fields) == 5 and croniter.is_valid(text))):
+        raise ValueError(
+            f"schedule {expression!r} is not a cron expression; use five fields "
+            "(minute hour day-of-month month day-of-week, e.g. '0 2 * * *') or one of " + ", ".join(ALIASES)
+        )
+    return text
+
+
+def check_timezone(name: str) -> str:
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {name!r}; use an IANA name such as UTC or Europe/Paris") from None
+    return name
+
+
+def _at(epoch: float, timezone: str) -> datetime:
+    return datetime.fromtimestamp(epoch, ZoneInfo(timezone))
+
+
+def next_slot(expression: str, timezone: str, after: float) -> float:
+    """The first slot strictly later than `after`."""
+    return croniter(expression, _at(after, timezone)).get_next(float)
+
+
+def latest_slot(expression: str, timezone: str, at: float) -> float:
+    """The last slot at or before `at`."""
+    # get_prev is strictly earlier than its start, and slots fall on whole seconds: start just past `at`.
+    return croniter(expression, _at(math.floor(at) + 1, timezone)).get_prev(float)

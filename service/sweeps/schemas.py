@@ -1,0 +1,215 @@
+"""What goes over the wire for sweeps: the campaign request, its runs and their cells.
+
+A sweep is a campaign: models x keep ratios x methods (x FTC ablations), run once or on a cron
+schedule. Each run expands into ordinary jobs; the records here say which job is which cell and
+how far the run has got. Field rules reuse the job request's, so a sweep accepts exactly what its
+jobs would.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ftc.options import METHODS, parse_ablations
+from service.schemas import Calibration, Evaluation, JobRequest, JobStatus, KeepRatio, Priority, Progress
+from service.sweeps.cron import check_schedule, check_timezone
+
+MAX_MODELS = 16
+MAX_RATIOS = 32
+MAX_ABLATION_SETS = 8
+MAX_CELLS = 512
+"""Jobs one run may make: enough for a large campaign, small enough that a typo cannot flood the queue."""
+
+RunStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+SweepStatus = Literal["scheduled", "queued", "running", "succeeded", "failed", "cancelled"]
+Trigger = Literal["create", "schedule", "manual"]
+
+
+def check_model_name(name: str) -> str:
+    """A model is accepted when a job for it would be: the job request's own rule, not a copy of it."""
+    try:
+        JobRequest.model_validate({"model": name, "ratio": 1.0})
+    except ValidationError as error:
+        raise ValueError(f"model {name!r}: {error.errors()[0]['msg']}") from None
+    return name
+
+
+def _ablation_set(value: Any) -> list[str]:
+    if value is None or isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return list(parse_ablations(value))
+    raise ValueError("each ablation set is a list of names or a comma-separated string")
+
+
+ModelName = Annotated[str, AfterValidator(check_model_name)]
+AblationSet = Annotated[list[str], Field(max_length=7)]
+
+
+class SweepRequest(BaseModel):
+    """A campaign: every model x method (x ablation set for FTC) x keep ratio becomes one job per run."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = Field(None, min_length=1, max_length=100, description="A label for people, e.g. 'nightly'.")
+    models: list[ModelName] = Field(..., min_length=1, max_length=MAX_MODELS)
+    ratios: list[KeepRatio] = Field(..., min_length=1, max_length=MAX_RATIOS)
+    methods: list[Literal[METHODS]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["ftc"], min_length=1, max_length=len(METHODS)
+    )
+    ablations: list[AblationSet] = Field(
+        default_factory=lambda: [[]],
+        min_length=1,
+        max_length=MAX_ABLATION_SETS,
+        description="FTC variants: each set of removed components is one more FTC line; [] is plain FTC.",
+    )
+    calibration: Calibration = Field(default_factory=Calibration)
+    evaluation: Evaluation = Field(default_factory=Evaluation, alias="eval")
+    schedule: str | None = Field(
+        None,
+        max_length=100,
+        description="A five-field cron expression (or @daily, @hourly, ...); runs fire at those times.",
+    )
+    timezone: str = Field("UTC", max_length=64, description="IANA time zone the schedule is read in.")
+    priority: Priority = "normal"
+    change_threshold: float = Field(
+        0.02, gt=0, le=10, description="Relative perplexity change that counts as better or worse between runs."
+    )
+
+    @field_validator("models", "methods", "ratios")
+    @classmethod
+    def _each_once(cls, values: list) -> list:
+        return list(dict.fromkeys(values))
+
+    @field_validator("ablations", mode="before")
+    @classmethod
+    def _known_ablations(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        sets = [_ablation_set(item) for item in value]
+        return [list(s) for s in dict.fromkeys(tuple(s) for s in sets)]
+
+    @field_validator("schedule")
+    @classmethod
+    def _valid_schedule(cls, value: str | None) -> str | None:
+        return None if value is None else check_schedule(value)
+
+    @field_validator("timezone")
+    @classmethod
+    def _valid_timezone(cls, value: str) -> str:
+        return check_timezone(value)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> SweepRequest:
+        if any(self.ablations) and "ftc" not in self.methods:
+            raise ValueError("ablations remove FTC components; add 'ftc' to methods or drop the ablations")
+        if self.evaluation.dense_reference:
+            raise ValueError("eval.dense_reference is set by the sweep itself (once per model); leave it out")
+        cells = self.cell_count()
+        if cells > MAX_CELLS:
+            raise ValueError(
+                f"this sweep makes {cells} jobs per run, more than {MAX_CELLS}; use fewer models, ratios, "
+                "methods or ablation sets"
+            )
+        return self
+
+    def variants(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(method, ablations) pairs, in request order: each FTC ablation set, then the other methods."""
+        found: list[tuple[str, tuple[str, ...]]] = []
+        for method in self.methods:
+            sets = [tuple(s) for s in self.ablations] if method == "ftc" else [()]
+            found += [(method, s) for s in sets]
+        return found
+
+    def cell_count(self) -> int:
+        return len(self.models) * len(self.variants()) * len(self.ratios)
+
+
+def variant_label(method: str, ablate: list[str] | tuple[str, ...]) -> str:
+    """How tables and plots name a method line: `ftc`, or `ftc-no_whiten+fixed_ranks` for an ablation."""
+    return f"{method}-{'+'.join(ablate)}" if ablate else method
+
+
+class SweepCell(BaseModel):
+    """One model x variant x ratio of a run, and the job that runs it."""
+
+    job_id: str | None = Field(None, description="Null only while the run is being expanded into jobs.")
+    model: str
+    method: str
+    ablate: list[str] = Field(default_factory=list)
+    ratio: float
+    status: JobStatus = "queued"
+    progress: Progress = Field(default_factory=Progress)
+    error: str | None = None
+    dense_reference: bool = Field(False, description="This job also evaluates the dense model.")
+
+
+class RunReport(BaseModel):
+    """Where a finished run's table and plots are, and what changed since the previous run."""
+
+    folder: str = Field(..., description="Prefix of the run's files, e.g. runs/run_01jd.../")
+    files: list[str]
+    previous_run: str | None = None
+    better: int = 0
+    worse: int = 0
+    written_at: datetime
+
+
+class SweepRun(BaseModel):
+    """One execution of the campaign; `status` is `succeeded` once every cell has succeeded."""
+
+    id: str
+    trigger: Trigger
+    slot: datetime | None = Field(None, description="The cron slot that fired it (scheduled runs).")
+    created_at: datetime
+    finished_at: datetime | None = None
+    status: RunStatus
+    counts: dict[str, int] = Field(default_factory=dict, description="Cells per job status.")
+    report: RunReport | None = None
+
+
+class SweepRunDetail(SweepRun):
+    cells: list[SweepCell]
+
+
+class SweepSummary(BaseModel):
+    id: str
+    team: str
+    name: str | None = None
+    status: SweepStatus
+    created_at: datetime
+    updated_at: datetime
+    schedule: str | None = None
+    timezone: str = "UTC"
+    next_run_at: datetime | None = None
+    cancelled_at: datetime | None = None
+    runs_total: int = 0
+    latest_run: SweepRun | None = None
+
+
+class SweepRecord(SweepSummary):
+    """A sweep as served by GET /v1/sweeps/{id}: the campaign, its recent runs, one run in full."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    request: SweepRequest
+    runs: list[SweepRun] = Field(default_factory=list, description="Most recent first.")
+    run: SweepRunDetail | None = Field(None, description="The latest run (or the one asked for) with its cells.")
+
+
+class SweepPage(BaseModel):
+    sweeps: list[SweepSummary]
+    next_cursor: str | None = None
+
+
+class SweepFile(BaseModel):
+    name: str = Field(..., description="Path under the sweep's folder, e.g. plot.svg or runs/run_.../results.csv.")
+    size: int
+    modified: datetime
+    url: str = Field(..., description="The API URL that streams the file (send the API key).")
+
+
+class SweepFileList(BaseModel):
+    sweep_id: str
+    files: list[SweepFile]

@@ -1,0 +1,166 @@
+"""One worker's attempt at one job: prepare, compress layer by layer, evaluate, publish.
+
+It is the same pipeline as `ftc compress` followed by `ftc eval`, with three additions: the work
+folder is restored from and mirrored to the object store (so another worker can resume), progress
+goes to the job record after every layer, and between layers the job may be told to stop.
+Everything here blocks; the worker runs it in a thread while its event loop keeps the lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ftc.compress import CompressOptions, compress
+from ftc.models import resolve_model
+from ftc.weights import load_config
+from service.queue import Lease
+from service.schemas import JobRecord, Progress
+from service.store import ObjectStore
+from service.store.layout import job_prefix
+from workers.checkpoints import CheckpointSync
+from workers.control import JobControl
+from workers.evaluation import evaluate_artifact, evaluate_dense
+from workers.inputs import compress_options, local_dataset, model_spec
+from workers.joblog import JobLog
+from workers.progress import ProgressClock
+from workers.publish import finalise, upload_artifact
+from workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the request names, made local: the model spec, options, dataset files, and the layers."""
+
+    model: str
+    options: CompressOptions
+    datasets: dict[str, str]
+    layers: int
+    restored: int
+    """Layers finished by earlier attempts, restored from the object store."""
+
+
+class Attempt:
+    """Runs a claimed job in `folder` (fresh, private to this attempt); `run()` returns its metrics."""
+
+    def __init__(
+        self,
+        record: JobRecord,
+        lease: Lease,
+        settings: WorkerSettings,
+        store: ObjectStore,
+        device: str,
+        control: JobControl,
+        job_log: JobLog,
+        folder: Path,
+    ) -> None:
+        self.record = record
+        self.lease = lease
+        self.settings = settings
+        self.store = store
+        self.device = device
+        self.control = control
+        self.job_log = job_log
+        self.folder = Path(folder)
+        self.prefix = job_prefix(record.team, record.id)
+        self.checkpoints = CheckpointSync(store, self.prefix, self.folder / "work")
+        self.artifact = self.folder / "artifact"
+        self.clock = ProgressClock()
+        self.timings: dict[str, float] = {}
+
+    def _report(self, progress: Progress) -> None:
+        self.control.publish_from_thread(progress)
+
+    def run(self) -> dict[str, Any]:
+        self._report(self.clock.stage("preparing"))
+        inputs = self._timed("prepare", self._prepare)
+        self.control.check()
+        self._report(self.clock.start_layers(inputs.layers, inputs.restored))
+        manifest = self._timed("compress", lambda: self._compress(inputs))
+        self._report(self.clock.stage("evaluating"))
+        perplexity, dense = self._timed("evaluate", lambda: self._evaluate(inputs))
+        self.control.check()
+        self._report(self.clock.stage("uploading"))
+        files = self._timed("upload", lambda: upload_artifact(self.store, self.prefix, self.artifact))
+        self.timings["total_seconds"] = round(self.clock.elapsed(), 3)
+        metrics = self._metrics(manifest, inputs.layers, perplexity, dense)
+        finalise(self.store, self.prefix, manifest, files, metrics)
+        self.checkpoints.drop_streams()
+        log.info("published %d files under %s", len(files) + 2, self.prefix)
+        return metrics
+
+    def _timed(self, stage: str, work: Callable[[], T]) -> T:
+        started = time.monotonic()
+        result = work()
+        self.timings[f"{stage}_seconds"] = round(time.monotonic() - started, 3)
+        return result
+
+    def _prepare(self) -> Inputs:
+        """Resolve what the request names and restore the checkpoints an earlier attempt left."""
+        request = self.record.request
+        model = model_spec(request.model, request.revision, self.settings.models_dir)
+        cache = Path(self.settings.work_dir) / "inputs"
+        calibration = local_dataset(self.store, request.calibration.dataset, cache)
+        datasets = {name: local_dataset(self.store, name, cache) for name in request.evaluation.datasets}
+        options = compress_options(request, model, calibration, self.device)
+        layers = load_config(resolve_model(model)).num_hidden_layers
+        restored = self.checkpoints.restore()
+        if restored:
+            log.info("resuming at layer %d of %d (%d layers from checkpoints)", restored, layers, restored)
+        else:
+            log.info("starting at layer 0 of %d (no checkpoints)", layers)
+        return Inputs(model, options, datasets, layers, restored)
+
+    def _compress(self, inputs: Inputs) -> dict[str, Any]:
+        manifest = compress(
+            inputs.options, self.artifact, work_dir=self.checkpoints.folder, progress=False, on_layer=self._layer_done
+        )
+        log.info("compressed %d layers (%d resumed from checkpoints)", inputs.layers, manifest["resumed_from_layer"])
+        return manifest
+
+    def _evaluate(self, inputs: Inputs) -> tuple[dict, dict | None]:
+        """Perplexity of the artifact on each dataset, and of the dense model when the request asks."""
+        if not inputs.datasets:
+            return {}, None
+        evaluation = self.record.request.evaluation
+        windows = (evaluation.seq_len, evaluation.max_windows, self.device, self.control.check)
+        perplexity = evaluate_artifact(self.artifact, inputs.datasets, *windows)
+        dense = evaluate_dense(inputs.model, inputs.datasets, *windows) if evaluation.dense_reference else None
+        return perplexity, dense
+
+    def _layer_done(self, result) -> None:
+        log.info("layer %d of %d done in %.2f s", result.index + 1, result.total, result.seconds)
+        self.checkpoints.push()
+        self.job_log.upload()
+        self._report(self.clock.layer_done(result.index + 1))
+
+    def _metrics(self, manifest: dict, layers: int, perplexity: dict, dense: dict | None) -> dict[str, Any]:
+        request = self.record.request
+        metrics = {
+            "job_id": self.record.id,
+            "model": request.model,
+            "revision": request.revision,
+            "method": request.method,
+            "ratio": request.ratio,
+            "ablate": list(request.ablate),
+            "eval": {"seq_len": request.evaluation.seq_len, "max_windows": request.evaluation.max_windows},
+            "perplexity": perplexity,
+            "storage": manifest["storage"],
+            "layers": layers,
+            "resumed_from_layer": manifest["resumed_from_layer"],
+            "attempt": self.lease.attempt,
+            "worker": self.lease.worker,
+            "device": manifest["device"],
+            "timings": self.timings,
+        }
+        if dense is not None:
+            metrics["dense_perplexity"] = dense
+        return metrics

@@ -1,0 +1,120 @@
+"""A claimed job from start to end: keep its lease, run the attempt, record how it ended.
+
+The outcome decides what happens to the queue entry. A job that ended (succeeded, failed,
+cancelled) is recorded and then acknowledged, in that order, so a crash in between re-delivers a
+job whose record already says how it ended (the queue then drops it). A job whose lease was lost
+belongs to someone else and is left alone. A job interrupted by a worker shutdown is left
+unacknowledged: its lease runs out, the janitor re-delivers it and another worker resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+import uuid
+from pathlib import Path
+
+from ftc.options import InputError
+from service.errors import LeaseLost
+from service.jobs import record_from_hash
+from service.queue import Lease
+from service.redis_client import REDIS_DOWN_ERRORS
+from service.runtime import Services
+from service.store.layout import LOG, job_prefix
+from workers.attempt import Attempt
+from workers.control import JobCancelled, JobControl, WorkerStopping
+from workers.joblog import JobLog
+from workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+MAX_REASON_CHARS = 500
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+def summarise(error: BaseException) -> str:
+    """One line a submitter can act on; the traceback stays in the job log."""
+    if isinstance(error, InputError):
+        text = str(error)
+    else:
+        first = (str(error).strip().splitlines() or [""])[0]
+        text = f"{type(error).__name__}: {first}" if first else type(error).__name__
+        text += f" (details in {LOG})"
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+async def run_job(
+    services: Services, settings: WorkerSettings, lease: Lease, device: str, shutdown: threading.Event
+) -> str:
+    """Run the job `lease` holds; returns succeeded, failed, cancelled, lost or interrupted."""
+    record = record_from_hash(await services.redis.hgetall(services.jobs.keys.job(lease.job_id)))
+    control = JobControl(asyncio.get_running_loop(), services.jobs, lease, shutdown)
+    folder = Path(settings.work_dir) / "jobs" / f"{lease.job_id}-{lease.attempt}-{uuid.uuid4().hex[:8]}"
+    job_log = JobLog(services.store, job_prefix(record.team, record.id), folder / LOG)
+    keeper = asyncio.create_task(control.keep_lease(services.queue, settings.heartbeat_seconds))
+    error: str | None = None
+    try:
+        await asyncio.to_thread(job_log.open)
+        log.info(
+            "job %s: attempt %d of %d on worker %s (device %s)",
+            lease.job_id,
+            lease.attempt,
+            settings.max_attempts,
+            lease.worker,
+            device,
+        )
+        attempt = Attempt(record, lease, settings, services.store, device, control, job_log, folder)
+        try:
+            await asyncio.to_thread(attempt.run)
+            outcome = "succeeded"
+        except JobCancelled:
+            outcome = "cancelled"
+        except LeaseLost:
+            outcome = "lost"
+        except WorkerStopping:
+            outcome = "interrupted"
+        except Exception as failure:
+            log.exception("job %s failed", lease.job_id)
+            outcome, error = "failed", summarise(failure)
+        if control.lost:  # whatever happened after the lease was lost is not ours to record
+            outcome = "lost"
+        log.info("job %s: %s%s", lease.job_id, _describe(outcome), f": {error}" if error else "")
+        if outcome != "lost":
+            await asyncio.to_thread(job_log.upload)
+    finally:
+        keeper.cancel()
+        job_log.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    if outcome in ENDED:
+        await _record(services, lease, outcome, error, settings.lease_seconds)
+    return outcome
+
+
+def _describe(outcome: str) -> str:
+    return {
+        "lost": "lease lost; another worker has the job",
+        "interrupted": "interrupted by worker shutdown; left for re-delivery (it resumes from its checkpoints)",
+    }.get(outcome, outcome)
+
+
+async def _record(services: Services, lease: Lease, status: str, error: str | None, patience_seconds: float) -> None:
+    """Finish the record, then acknowledge; Redis restarts are waited out for up to a lease."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_seconds
+    delay = 0.2
+    while True:
+        try:
+            await services.jobs.finish(lease.job_id, lease.worker, status, error)
+            await services.queue.ack(lease)
+            return
+        except LeaseLost as lost:
+            log.warning("could not record %s: %s", status, lost)
+            return
+        except REDIS_DOWN_ERRORS as down:
+            if loop.time() + delay > deadline:
+                log.error("could not record %s for job %s (%s); it will be re-delivered", status, lease.job_id, down)
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -1,0 +1,37 @@
+"""The worker's configuration: the service settings every process shares, plus what only workers need.
+
+Workers read the same `FTC_*` environment as the API (Redis, object store, lease, attempts), so one
+environment describes a deployment. The additions say where models and scratch space live on the
+worker's machine and how much of it one worker may use.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from service.settings import Settings
+
+
+class WorkerSettings(Settings):
+    models_dir: str | None = Field(
+        None,
+        description="Folder of local models: a job's model `org/name` is read from `{models_dir}/org/name` "
+        "(a Hugging Face folder) or `{models_dir}/org/name.gguf`. Aliases such as smollm2-135m need nothing.",
+    )
+    work_dir: str = Field(
+        str(Path(tempfile.gettempdir()) / "ftc-worker"),
+        description="Local scratch space: per-attempt checkpoints and artifacts, and cached calibration uploads.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: one actor per GPU when the Ray cluster has GPUs, else CPU actors."
+    )
+    cpus_per_worker: int = Field(1, ge=1, description="CPU cores each worker actor reserves (and torch threads).")
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        """A quarter of the lease: three heartbeats may be missed before the job is taken away."""
+        return self.lease_seconds / 4
