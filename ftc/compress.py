@@ -22,7 +22,7 @@ from .arch import AttentionLayout, layout_of
 from .artifact import LayerStore, assemble, extra_names, layer_entry, layer_tensors
 from .data import calibration_ids, ids_sha256, load_text, tokenize
 from .methods import make_method
-from .models import ModelSource, pick_device, resolve_model
+from .models import load_tokenizer, pick_device, resolve_model
 from .options import METHODS, InputError, parse_ablations, validate_ratio
 from .pipeline import compress_layers, layer_inputs
 from .weights import (
@@ -72,13 +72,6 @@ def library_versions() -> dict:
 
     return {"ftc": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "safetensors": safetensors.__version__, "python": platform.python_version()}
-
-
-def load_tokenizer(source: ModelSource):
-    from transformers import AutoTokenizer
-
-    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    return AutoTokenizer.from_pretrained(source.path, **extra)
 
 
 def calibration_batch(tokenizer, options: CompressOptions, hidden: int) -> torch.Tensor:

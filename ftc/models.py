@@ -58,9 +58,16 @@ def resolve_model(spec: str) -> ModelSource:
     )
 
 
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    return AutoTokenizer.from_pretrained(source.path, **extra)
+
+
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """`(model, tokenizer)` in eval mode. GGUF weights are dequantised to `dtype`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if source.kind == "artifact":
         from .artifact import load_artifact
@@ -69,7 +76,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         return model, tokenizer
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
+    tokenizer = load_tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra)
     config = model.config
     if getattr(config, "quantization_config", None) is not None and source.kind == "gguf":
