@@ -10,6 +10,7 @@ modules built from the method's stored tensors, and moves the stream on.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -206,6 +207,14 @@ def compress_layer(
     return [*qkv_groups, o_group], {**qkv_report, **o_report}
 
 
+def trim_host_memory() -> None:
+    """Return freed heap pages to the OS (glibc): per-layer buffers otherwise stay resident."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def compress_layers(
     model: nn.Module,
     layout: AttentionLayout,
@@ -222,7 +231,8 @@ def compress_layers(
     """Compress decoder layers `start..L-1` in order; the model is modified in place.
 
     With a weight source, each layer is materialised on `device` just before it is processed and
-    released right after `on_layer` has written it out, so only one layer is ever resident.
+    released right after `on_layer` has written it out, so only one layer is ever resident. Results
+    go to `on_layer` when one is given (nothing is kept), else they are collected in the result.
     """
     t0 = time.perf_counter()
     result = PipelineResult()
@@ -236,13 +246,15 @@ def compress_layers(
         t1 = time.perf_counter()
         groups, report = compress_layer(layers[index], layout, method, stream, compute_dtype)
         layer_result = LayerResult(index, groups, report, time.perf_counter() - t1, len(layers))
-        result.layers.append(layer_result)
         if "error_refit" in report:
             bar.set_postfix(err=f"{report['error_refit']:.3f}")
         if on_layer is not None:
             on_layer(layer_result, layers[index])
+        else:
+            result.layers.append(layer_result)
         if weights is not None:
             release(model, name)
+            trim_host_memory()
     result.seconds = time.perf_counter() - t0
     return result
 
