@@ -1,11 +1,15 @@
 """Peak host memory of a streamed compression against the checkpoint size, at two depths.
 
-    .venv/bin/python benchmarks/memory.py                 # 12 and 24 layers (~1.6 and ~3.1 GB)
-    .venv/bin/python benchmarks/memory.py --layers 4 --intermediate 2048   # a quick look
+    .venv/bin/python benchmarks/memory.py                 # 22 and 44 layers (~2.2 and ~4.2 GB)
+    .venv/bin/python benchmarks/memory.py --layers 2 4    # a quick look
 
-Builds synthetic Llama-layout checkpoints (float16, random weights, several safetensors shards,
-SmolLM2's tokenizer), compresses each with `ftc compress` in a child process run under
-`/usr/bin/time -v`, and reads the child's peak resident set size from outside.
+Builds synthetic checkpoints with the layer shape of TinyLlama-1.1B (hidden 2048, MLP 5632,
+32 query heads sharing 4 K/V heads; float16, random weights, several safetensors shards,
+SmolLM2's tokenizer), at its real depth (22 layers) and at twice that, compresses each with
+`ftc compress` in a child process run under `/usr/bin/time -v`, and reads the child's peak
+resident set size from outside. Calibration is one default batch (8 x 512 tokens): the
+activation transients are those of a full run; only the stream itself (tokens x hidden x 4
+bytes) grows with more samples.
 Writes benchmarks/results/memory.{json,md}. Target: peak RSS <= 40% of the checkpoint, flat in depth.
 """
 
@@ -104,13 +108,13 @@ def render(rows: list[dict], settings: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, nargs="*", default=[12, 24])
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=19456)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--layers", type=int, nargs="*", default=[22, 44])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--method", default="ftc")
-    parser.add_argument("--calib-samples", type=int, default=4)
+    parser.add_argument("--calib-samples", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--workdir", type=Path, default=None, help="where checkpoints are built (default: /tmp)")
     parser.add_argument("--out", type=Path, default=RESULTS / "memory.json")

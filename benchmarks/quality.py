@@ -110,6 +110,10 @@ def render(results: dict) -> str:
                   "|---|---|---|",
                   f"| {t['ftc_seconds']:.1f} | {t['dense_forward_seconds']:.1f} | "
                   f"{t['ftc_seconds'] / t['dense_forward_seconds']:.2f}x |"]
+        if "phases" in t:
+            lines += ["", "Where FTC's time goes (summed over layers; in units of one dense pass):", "",
+                      "| phase | seconds | dense passes |", "|---|---|---|"]
+            lines += [f"| {name} | {s:.1f} | {s / t['dense_forward_seconds']:.2f} |" for name, s in t["phases"].items()]
     lines += ["", "Each cell: `ftc.compress` -> artifact on disk -> reloaded -> evaluated. "
               "Produced by `benchmarks/quality.py`.", ""]
     return "\n".join(lines)
@@ -163,9 +167,14 @@ def main() -> None:
         ftc = CompressOptions(**{**base.__dict__, "ratio": 0.4})
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            compress(ftc, Path(tmp) / "a", loaded=loaded, progress=False)
+            manifest = compress(ftc, Path(tmp) / "a", loaded=loaded, progress=False)
             ftc_seconds = time.perf_counter() - t0
-        results["timing"] = {"ftc_seconds": ftc_seconds,
+        phases: dict[str, float] = {}
+        for layer in manifest["layers"]:
+            for name, seconds in layer["phase_seconds"].items():
+                phases[name] = phases.get(name, 0.0) + seconds
+        phases["rest (calibration, embeddings, writing)"] = ftc_seconds - sum(phases.values())
+        results["timing"] = {"ftc_seconds": ftc_seconds, "phases": phases,
                              "dense_forward_seconds": dense_forward_seconds(model, tokenizer, base)}
         save()
     print(render(results))

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from .arch import AttentionLayout, decoder_layers, get_module, set_module
 from .methods import ContextStats, Group, Method
-from .metric import Moments
+from .metric import WORK_DTYPE, Moments
 from .stored import build_modules
 from .weights import WeightSource, materialize, release
 
@@ -150,16 +150,18 @@ def context_stats(
     stats = ContextStats(teacher=Moments(width, stream.device))
     if compressed_qkv is not None:
         stats.student = Moments(width, stream.device)
-        stats.cross = torch.zeros(width, width, dtype=torch.float64, device=stream.device)
+        stats.cross = torch.zeros(width, width, dtype=WORK_DTYPE, device=stream.device)
     for h, kw in stream.batches():
-        a_t = capture_input(layer, layout.o, h, kw)
+        # float64 rows made once per batch and shared by the Gram updates: they are the largest transients
+        a_t = capture_input(layer, layout.o, h, kw).reshape(-1, width).to(WORK_DTYPE)
         stats.teacher.update(a_t)
         if compressed_qkv is not None:
             with swapped(layer, layout, compressed_qkv):
-                a_s = capture_input(layer, layout.o, h, kw)
+                a_s = capture_input(layer, layout.o, h, kw).reshape(-1, width).to(WORK_DTYPE)
             stats.student.update(a_s)
-            rows_s = a_s.reshape(-1, width).double()
-            stats.cross.addmm_(rows_s.T, a_t.reshape(-1, width).double())
+            stats.cross.addmm_(a_s.T, a_t)
+            del a_s
+        del a_t
     return stats
 
 
@@ -184,27 +186,54 @@ def compress_layer(
     stream: Stream | None,
     compute_dtype: torch.dtype,
 ) -> tuple[list[Group], dict]:
-    """Compress one decoder layer in place and advance the stream through it (§3, §8)."""
+    """Compress one decoder layer in place and advance the stream through it (§3, §8).
+
+    The report carries seconds per phase (statistics passes, Q/K/V math, W_O math, propagation),
+    so a slow run shows whether the data passes or the factorisations cost the time.
+    """
+    phases = _PhaseClock()
     weights, biases = _weights(layer, layout)
     x = None
     if method.needs_data:
         x = Moments(layout.hidden, stream.device)
         for h, kw in stream.batches():
             x.update(capture_input(layer, layout.q, h, kw))
+    phases.lap("statistics")
     qkv_groups, qkv_report = method.qkv({p: weights[p] for p in "qkv"}, x, layout)
     qkv_modules = _modules(qkv_groups, biases, layout, compute_dtype)
+    phases.lap("qkv")
     ctx = None
     if method.needs_data:
         ctx = context_stats(layer, layout, stream, qkv_modules if method.needs_student_context else None)
+    phases.lap("statistics")
     o_group, o_report = method.o(weights["o"], ctx, layout)
     replacements = {**qkv_modules, **_modules([o_group], biases, layout, compute_dtype)}
+    del x, ctx  # the Grams are spent; propagation below is the layer's other memory peak
+    phases.lap("o")
     if stream is not None and method.stream == "teacher":
         propagate(layer, stream)
     for p, m in replacements.items():
         set_module(layer, layout.projections[p], m.to(weights[p].device))
     if stream is not None and method.stream == "student":
         propagate(layer, stream)
-    return [*qkv_groups, o_group], {**qkv_report, **o_report}
+    phases.lap("propagate")
+    return [*qkv_groups, o_group], {**qkv_report, **o_report, "phase_seconds": phases.seconds()}
+
+
+class _PhaseClock:
+    """Wall-clock seconds accumulated per named phase, each lap ending where the previous one did."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._seconds: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self._seconds[name] = self._seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def seconds(self) -> dict[str, float]:
+        return {name: round(s, 3) for name, s in self._seconds.items()}
 
 
 def trim_host_memory() -> None:

@@ -149,6 +149,7 @@ class _EnergyTable:
     """
 
     def __init__(self, core: torch.Tensor, r2: int) -> None:
+        self.r2 = r2
         self.row = core.shape[0] * r2
         self.squares = core[:, :, :r2].pow(2).permute(1, 0, 2).reshape(-1).contiguous()
 
@@ -174,14 +175,16 @@ def allocate(
     """
     slices, m1, m2 = core.shape
     best: Allocation | None = None
-    tables: dict[int, _EnergyTable] = {}
+    table: _EnergyTable | None = None  # one at a time: each is a copy of up to the whole core
 
     def consider(r1: int, r2: int) -> None:
-        nonlocal best
+        nonlocal best, table
         kept = core_capacity(budget, d, dh, slices, r1, r2)
         if kept <= 0:
             return
-        table = tables.get(r2) or tables.setdefault(r2, _EnergyTable(core, r2))
+        if table is None or table.r2 != r2:
+            table = None
+            table = _EnergyTable(core, r2)
         err = total_energy - table.energy(r1, kept)
         if best is None or err < best.predicted_error:
             best = Allocation(r1, r2, kept, err)
@@ -203,7 +206,6 @@ def allocate(
         for r2 in (r2_best - step2, r2_best + step2):
             if 1 <= r2 <= m2:
                 consider(best.r1, r2)
-    tables.clear()
     return best
 
 
@@ -330,6 +332,7 @@ def compress_tensor(
     norms = slice_norms(whitened) if balance else torch.ones(slices, dtype=WORK_DTYPE, device=tensor.device)
     # the factor updates run in float32: errors of interest are ~1e-3 relative, SVDs get 3x faster
     balanced = (whitened / norms[:, None, None]).float()
+    del whitened  # each full-size copy dropped as soon as it is spent: the peak is a few of them
     total = float(balanced.pow(2).sum())
     u1, u2, core = hosvd(balanced)
     if coupled:
@@ -338,6 +341,7 @@ def compress_tensor(
         r1, r2 = fixed_ranks(budget, d, dh, slices, u1.shape[1], u2.shape[1])
         dense = r1 * r2 * slices
         alloc = Allocation(r1, r2, dense, total - float(core[:, :r1, :r2].pow(2).sum()))
+    del core
     u1, u2, core, mask = prune_refit(
         balanced, u1[:, : alloc.r1], u2[:, : alloc.r2], alloc.kept, steps, refits
     )

@@ -32,6 +32,9 @@ def test_compress_then_eval_artifact_and_dense(model_dir, tmp_path):
     assert manifest["method"] == "ftc" and manifest["ratio"] == 0.4
     assert manifest["calibration"]["tokens"] == 256 and len(manifest["calibration"]["sha256"]) == 64
     assert {"r1", "r2", "K", "eps", "r_o", "error_allocated", "error_refit", "seconds"} <= set(manifest["layers"][0])
+    for layer in manifest["layers"]:  # the phases partition the layer's time (the clock laps are contiguous)
+        assert set(layer["phase_seconds"]) == {"statistics", "qkv", "o", "propagate"}
+        assert sum(layer["phase_seconds"].values()) <= layer["seconds"] + 0.01
     storage = manifest["storage"]
     assert storage["qkv_values_used"] <= storage["qkv_budget_values"]
     assert storage["bytes_written"] if "bytes_written" in storage else manifest["bytes_written"] > 0

@@ -24,7 +24,7 @@ from service.store import ObjectStore
 from service.store.layout import job_prefix
 from workers.checkpoints import CheckpointSync
 from workers.control import JobControl
-from workers.evaluation import evaluate_artifact, evaluate_dense
+from workers.evaluation import evaluate
 from workers.inputs import compress_options, local_dataset, model_spec
 from workers.joblog import JobLog
 from workers.progress import ProgressClock
@@ -132,8 +132,8 @@ class Attempt:
             return {}, None
         evaluation = self.record.request.evaluation
         windows = (evaluation.seq_len, evaluation.max_windows, self.device, self.control.check)
-        perplexity = evaluate_artifact(self.artifact, inputs.datasets, *windows)
-        dense = evaluate_dense(inputs.model, inputs.datasets, *windows) if evaluation.dense_reference else None
+        perplexity = evaluate(self.artifact, inputs.datasets, *windows)
+        dense = evaluate(inputs.model, inputs.datasets, *windows) if evaluation.dense_reference else None
         return perplexity, dense
 
     def _layer_done(self, result) -> None:

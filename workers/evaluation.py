@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from ftc.artifact import load_artifact
 from ftc.data import load_text, tokenize
 from ftc.evaluate import perplexity
 from ftc.models import load_model, resolve_model
@@ -48,26 +47,15 @@ def perplexities(
     return results
 
 
-def evaluate_artifact(
-    folder: Path,
+def evaluate(
+    model: str | Path,
     datasets: dict[str, str],
     seq_len: int,
     max_windows: int | None,
     device: str,
     check: Callable[[], None],
 ) -> dict[str, dict]:
-    model, tokenizer, _manifest = load_artifact(folder, torch.float32, device)
-    return perplexities(model, tokenizer, datasets, seq_len, max_windows, device, check)
-
-
-def evaluate_dense(
-    model_spec: str,
-    datasets: dict[str, str],
-    seq_len: int,
-    max_windows: int | None,
-    device: str,
-    check: Callable[[], None],
-) -> dict[str, dict]:
-    """The uncompressed model on the same windows: the reference a keep ratio is judged against."""
-    model, tokenizer = load_model(resolve_model(model_spec), torch.float32, device)
-    return perplexities(model, tokenizer, datasets, seq_len, max_windows, device, check)
+    """Perplexity of a model given as `--model` accepts it: the written artifact folder, or the
+    dense base model as the reference a keep ratio is judged against."""
+    loaded, tokenizer = load_model(resolve_model(str(model)), torch.float32, device)
+    return perplexities(loaded, tokenizer, datasets, seq_len, max_windows, device, check)
