@@ -6,7 +6,7 @@
 Every cell is compressed through the same `ftc.compress` entry point as the CLI, written as an
 artifact, reloaded from disk and evaluated, so the numbers are those of the checkpoint a user
 gets. Finished cells are kept in the JSON and skipped on re-runs, so an interrupted run resumes.
-Writes benchmarks/results/quality.{json,md}.
+Writes benchmarks/results/quality.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ from ftc.evaluate import perplexity
 from ftc.models import load_model, resolve_model
 from ftc.options import ABLATIONS
 from ftc.pipeline import layer_inputs, propagate
+from service.reports.plots import render_plots
+from service.reports.rows import ResultRow
 
 RESULTS = Path(__file__).parent / "results"
 BASELINES = ("svd_llm", "asvd", "svd", "per_matrix")
 METHODS = ("ftc", *BASELINES)
+MODEL = "SmolLM2-135M-Instruct"
 
 
 def cell_key(method: str, ratio: float, ablation: str = "") -> str:
@@ -73,7 +76,7 @@ def render(results: dict) -> str:
     dense = results.get("dense")
     cells = results["cells"]
     ratios = sorted({c["ratio"] for c in cells.values() if not c["ablation"]}, reverse=True)
-    lines = ["# Quality: SmolLM2-135M-Instruct, WikiText-2 test perplexity", ""]
+    lines = [f"# Quality: {MODEL}, WikiText-2 test perplexity", "", "![perplexity against rho](quality.png)", ""]
     if dense:
         lines += [f"Dense perplexity: **{dense['ppl']:.3f}** over the first {dense['windows']} windows of 512 "
                   f"tokens ({dense['tokens']} tokens). Calibration: {results['calibration']}.", ""]
@@ -119,6 +122,14 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict) -> bytes:
+    """Perplexity against rho, one line per method, drawn by the sweep reports' plotter."""
+    rows = [ResultRow(MODEL, c["method"], c["ratio"], "succeeded", perplexity={"wikitext2": c["ppl"]})
+            for c in results["cells"].values() if not c["ablation"]]
+    dense = {MODEL: {"wikitext2": results["dense"]["ppl"]}} if "dense" in results else {}
+    return render_plots(rows, dense, ["wikitext2"], "WikiText-2 test perplexity (seq 512)")["plot.png"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["all", "main", "ablations", "timing", "render"], default="all")
@@ -133,6 +144,7 @@ def main() -> None:
     results = json.loads(args.out.read_text()) if args.out.exists() else {"cells": {}}
     if args.part == "render":
         args.out.with_suffix(".md").write_text(render(results))
+        args.out.with_suffix(".png").write_bytes(plot(results))
         return
     base = CompressOptions(device="cpu", calib_samples=32, seq_len=512, seed=0)
     results["calibration"] = "32 x 512 tokens of the WikiText-2 validation file, seed 0"
@@ -145,6 +157,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
         args.out.with_suffix(".md").write_text(render(results))
+        args.out.with_suffix(".png").write_bytes(plot(results))
 
     if "dense" not in results or results["dense"]["windows"] != args.windows:
         results["dense"] = perplexity(model, test_ids, 512, args.windows, progress=False)

@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -34,6 +33,7 @@ from .weights import embedding_weight_name, skeleton
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 FORMAT_VERSION = 1
+COPY_CHUNK = 16 << 20
 DTYPE_CODES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
                torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
 
@@ -171,41 +171,44 @@ class LayerStore:
         ]
 
 
+def _data_section(path: Path) -> tuple[int, dict]:
+    """Where a safetensors file's tensor bytes start, and its header (minus the metadata)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
 def concat_safetensors(sources: list[Path], target: Path, metadata: dict[str, str]) -> int:
-    """Stream several safetensors files into one, one tensor in memory at a time; returns bytes."""
-    entries, offset = [], 0
+    """Join several safetensors files into one; returns its size in bytes.
+
+    A file's data section is the tensors' bytes back to back with no holes (the format requires
+    it), so each section is copied verbatim in chunks and only the offsets in the header move:
+    no tensor is ever materialised, whatever its size.
+    """
+    header: dict = {"__metadata__": metadata}
+    sections, base = [], 0
     for path in sources:
-        with safe_open(path, "pt") as f:
-            for name in f.keys():
-                view = f.get_slice(name)
-                dtype, shape = view.get_dtype(), view.get_shape()
-                size = _nbytes(dtype, shape)
-                entries.append((path, name, dtype, shape, offset, offset + size))
-                offset += size
-    header = {"__metadata__": metadata}
-    header.update({name: {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
-                   for _, name, dtype, shape, start, end in entries})
+        start, entries = _data_section(path)
+        for name, info in entries.items():
+            begin, end = info["data_offsets"]
+            header[name] = {**info, "data_offsets": [base + begin, base + end]}
+        size = path.stat().st_size - start
+        sections.append((path, start))
+        base += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with open(target, "wb") as out:
         out.write(struct.pack("<Q", len(blob)))
         out.write(blob)
-        for path in sources:
-            with safe_open(path, "pt") as f:
-                for name in f.keys():
-                    tensor = f.get_tensor(name).contiguous()
-                    out.write(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        for path, start in sections:
+            with open(path, "rb") as src:
+                src.seek(start)
+                shutil.copyfileobj(src, out, COPY_CHUNK)
         out.flush()
         os.fsync(out.fileno())
     return target.stat().st_size
-
-
-def _nbytes(dtype: str, shape: list[int]) -> int:
-    width = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "BOOL": 1}[dtype]
-    count = 1
-    for n in shape:
-        count *= n
-    return count * width
 
 
 def assemble(out_dir: Path, store: LayerStore, config, tokenizer, manifest: dict, overwrite: bool = False) -> dict:

@@ -20,6 +20,8 @@ from .models import ModelSource
 
 class WeightSource(Protocol):
     config: object
+    resident: bool
+    """True when every weight already sits in host memory: there is no footprint left to bound."""
 
     def names(self) -> list[str]: ...
 
@@ -31,6 +33,8 @@ class WeightSource(Protocol):
 
 class SafetensorsSource:
     """`model.safetensors` or `model.safetensors.index.json` + shards in a Hugging Face folder."""
+
+    resident = False
 
     def __init__(self, folder: Path, config) -> None:
         from safetensors import safe_open
@@ -62,6 +66,8 @@ class SafetensorsSource:
 
 class GGUFSource:
     """A GGUF file: tensors are dequantised one at a time from the memory-mapped file."""
+
+    resident = False
 
     def __init__(self, path: Path, config) -> None:
         from gguf import GGUFReader
@@ -101,6 +107,8 @@ class GGUFSource:
 
 class ModuleSource:
     """A model already in memory (benchmarks and tests reuse one loaded model for many runs)."""
+
+    resident = True
 
     def __init__(self, model: nn.Module) -> None:
         self.config = model.config

@@ -113,3 +113,29 @@ def test_gguf_tensors_stream_exactly_as_transformers_loads_them():
                  "model.layers.0.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight"):
         assert torch.equal(streamed.get(name), state[name]), name
     assert streamed.nbytes == os.path.getsize(source.path / source.gguf_file)
+
+
+def test_joined_safetensors_hold_every_input_tensor_unchanged(tmp_path):
+    """The artifact's weights file is the inputs' data sections copied verbatim under a merged header."""
+    from safetensors.torch import load_file, save_file
+
+    from ftc.artifact import concat_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    parts = [
+        {"mask": torch.randint(0, 255, (13,), dtype=torch.uint8, generator=gen),  # odd size: offsets shift
+         "a": torch.randn(3, 5, generator=gen)},
+        {"b": torch.randn(7, generator=gen).half(), "empty": torch.zeros(0, 4), "ids": torch.arange(6)},
+        {"c": torch.randn(2, 2, generator=gen).double()},
+    ]
+    sources = []
+    for i, part in enumerate(parts):
+        save_file(part, str(tmp_path / f"{i}.safetensors"))
+        sources.append(tmp_path / f"{i}.safetensors")
+    size = concat_safetensors(sources, tmp_path / "joined.safetensors", {"format": "test"})
+    joined = load_file(str(tmp_path / "joined.safetensors"))
+    expected = {k: v for part in parts for k, v in part.items()}
+    assert size == (tmp_path / "joined.safetensors").stat().st_size
+    assert joined.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert joined[name].dtype == tensor.dtype and torch.equal(joined[name], tensor), name
