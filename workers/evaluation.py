@@ -19,34 +19,6 @@ from ftc.models import load_model, resolve_model
 log = logging.getLogger(__name__)
 
 
-def perplexities(
-    model,
-    tokenizer,
-    datasets: dict[str, str],
-    seq_len: int,
-    max_windows: int | None,
-    device: str,
-    check: Callable[[], None],
-) -> dict[str, dict]:
-    """Perplexity per dataset; `datasets` maps the name the job used to the file or name to read.
-
-    `check` runs before each dataset, so a cancelled job does not sit through a long evaluation.
-    """
-    results = {}
-    for name, local in datasets.items():
-        check()
-        ids = tokenize(tokenizer, load_text(local, "test"))
-        results[name] = perplexity(model, ids, seq_len, max_windows, device=device, progress=False)
-        log.info(
-            "perplexity on %s: %.4f over %d windows of %d",
-            name,
-            results[name]["ppl"],
-            results[name]["windows"],
-            seq_len,
-        )
-    return results
-
-
 def evaluate(
     model: str | Path,
     datasets: dict[str, str],
@@ -55,7 +27,18 @@ def evaluate(
     device: str,
     check: Callable[[], None],
 ) -> dict[str, dict]:
-    """Perplexity of a model given as `--model` accepts it: the written artifact folder, or the
-    dense base model as the reference a keep ratio is judged against."""
+    """Perplexity per dataset of a model given as `--model` accepts it: the written artifact
+    folder, or the dense base model as the reference a keep ratio is judged against.
+
+    `datasets` maps the name the job used to the file or name to read. `check` runs before each
+    dataset, so a cancelled job does not sit through a long evaluation.
+    """
     loaded, tokenizer = load_model(resolve_model(str(model)), torch.float32, device)
-    return perplexities(loaded, tokenizer, datasets, seq_len, max_windows, device, check)
+    results = {}
+    for name, local in datasets.items():
+        check()
+        ids = tokenize(tokenizer, load_text(local, "test"))
+        results[name] = perplexity(loaded, ids, seq_len, max_windows, device=device, progress=False)
+        log.info("perplexity on %s: %.4f over %d windows of %d", name, results[name]["ppl"],
+                 results[name]["windows"], seq_len)
+    return results
