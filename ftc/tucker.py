@@ -183,7 +183,7 @@ def allocate(
         if kept <= 0:
             return
         if table is None or table.r2 != r2:
-            table = None
+            table = None  # free the previous table before its successor is built
             table = _EnergyTable(core, r2)
         err = total_energy - table.energy(r1, kept)
         if best is None or err < best.predicted_error:
