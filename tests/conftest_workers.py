@@ -29,6 +29,19 @@ from tests.conftest_service import API_KEYS, S3_BUCKET, TEAM_KEYS
 from tests.servers import MotoServer, RedisServer, TcpRelay, start_api, wait_until
 from workers.settings import WorkerSettings
 
+
+def worker_job_request(model: str, **changes: Any) -> dict[str, Any]:
+    """A small FTC job on `model` (4 x 64 calibration tokens, 2 evaluation windows): seconds on a CPU."""
+    request = {
+        "model": model,
+        "method": "ftc",
+        "ratio": 0.5,
+        "calibration": {"dataset": "wikitext2", "samples": 4, "seq_len": 64, "seed": 0},
+        "eval": {"datasets": ["wikitext2"], "seq_len": 64, "max_windows": 2},
+    }
+    return request | changes
+
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER_READY_SECONDS = 180.0  # Ray, then torch in the actor, on a busy two-core machine
 

@@ -25,22 +25,11 @@ from ftc.artifact import load_artifact
 from ftc.data import load_text, tokenize
 from ftc.evaluate import perplexity
 from service.store.layout import job_prefix
-from tests.conftest_workers import Stack, WorkerProcess, download
+from tests.conftest_workers import Stack, WorkerProcess, download, worker_job_request
 
 pytestmark = pytest.mark.timeout(600)
 
 Event = tuple[str, dict[str, Any]]
-
-
-def job_request(model: str, **changes: Any) -> dict[str, Any]:
-    request = {
-        "model": model,
-        "method": "ftc",
-        "ratio": 0.5,
-        "calibration": {"dataset": "wikitext2", "samples": 4, "seq_len": 64, "seed": 0},
-        "eval": {"datasets": ["wikitext2"], "seq_len": 64, "max_windows": 2},
-    }
-    return request | changes
 
 
 def submit(stack: Stack, request: dict[str, Any]) -> str:
@@ -98,7 +87,7 @@ def test_a_sigkilled_worker_loses_nothing_the_job_resumes_elsewhere_and_equals_a
 ) -> None:
     _root, model = models_dir(layers=16)
     doomed = stack.start_worker("doomed")
-    job_id = submit(stack, job_request(model))
+    job_id = submit(stack, worker_job_request(model))
 
     follow(stack, job_id, stop=layer_reached(3))
     doomed.kill()
@@ -121,7 +110,7 @@ def test_a_sigkilled_worker_loses_nothing_the_job_resumes_elsewhere_and_equals_a
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["resumed_from_layer"] == restored and metrics["attempt"] == 2
 
-    reference_id = submit(stack, job_request(model))  # the same job again, run without interruption
+    reference_id = submit(stack, worker_job_request(model))  # the same job again, run without interruption
     assert statuses(follow(stack, reference_id))[-1] == "succeeded"
     reference = fetch(stack, reference_id, tmp_path / "reference")
     resumed_tensors = load_file(folder / "model.safetensors")
@@ -140,7 +129,7 @@ def test_a_job_goes_queued_running_succeeded_and_its_artifact_reloads_from_s3(
     calibration.write_text(load_text("wikitext2", "validation")[:100_000])
     with stack.client() as client:
         uri = client.upload(calibration)["uri"]
-    request = job_request(
+    request = worker_job_request(
         model,
         calibration={"dataset": uri, "samples": 4, "seq_len": 64, "seed": 3},
         eval={"datasets": ["wikitext2", uri], "seq_len": 64, "max_windows": 2},
@@ -168,7 +157,7 @@ def test_a_job_goes_queued_running_succeeded_and_its_artifact_reloads_from_s3(
 
 def test_cancelling_a_running_job_stops_it_within_one_layer(stack: Stack, worker, models_dir) -> None:
     _root, model = models_dir(layers=16)
-    job_id = submit(stack, job_request(model, ratio=0.6))
+    job_id = submit(stack, worker_job_request(model, ratio=0.6))
 
     follow(stack, job_id, stop=layer_reached(2))
     with stack.client() as client:
@@ -185,7 +174,7 @@ def test_an_object_store_outage_during_upload_is_retried_and_the_job_succeeds(
     stack: Stack, worker, models_dir, tmp_path: Path
 ) -> None:
     _root, model = models_dir(layers=16)
-    job_id = submit(stack, job_request(model, ratio=0.7))
+    job_id = submit(stack, worker_job_request(model, ratio=0.7))
     reopen = threading.Timer(2.5, stack.relay.open)
     cut = threading.Event()
 
@@ -211,7 +200,7 @@ def test_a_worker_actor_that_dies_is_replaced_and_its_job_resumes(
     stack: Stack, worker: WorkerProcess, models_dir, tmp_path: Path
 ) -> None:
     _root, model = models_dir(layers=16)
-    job_id = submit(stack, job_request(model, ratio=0.45))
+    job_id = submit(stack, worker_job_request(model, ratio=0.45))
     follow(stack, job_id, stop=layer_reached(2))
     actors = worker.actor_pids()
     assert len(actors) == 1

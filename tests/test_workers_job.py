@@ -25,6 +25,7 @@ from service.schemas import TERMINAL_STATUSES, JobRecord, JobRequest
 from service.store import LocalStore
 from service.store.layout import job_prefix, upload_key
 from tests.conftest_service import run_async
+from tests.conftest_workers import worker_job_request
 from workers.actor import JobWorker
 from workers.settings import WorkerSettings
 
@@ -38,17 +39,6 @@ def _keep_torch_threads() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-def request_for(model: str, **changes) -> dict:
-    request = {
-        "model": model,
-        "method": "ftc",
-        "ratio": 0.5,
-        "calibration": {"dataset": "wikitext2", "samples": 4, "seq_len": 64, "seed": 0},
-        "eval": {"datasets": ["wikitext2"], "seq_len": 64, "max_windows": 2},
-    }
-    return request | changes
 
 
 async def submit(services: Services, request: dict, key: str | None = None) -> str:
@@ -116,7 +106,7 @@ def test_a_job_runs_to_success_and_publishes_artifact_metrics_checkpoints_and_lo
     calibration_key = upload_key(TEAM, new_id("upl"), "calib.txt")
     store.put_bytes(calibration_key, load_text("wikitext2", "validation")[:200_000].encode())
     calibration_uri = store.uri(calibration_key)
-    request = request_for(
+    request = worker_job_request(
         model,
         calibration={"dataset": calibration_uri, "samples": 4, "seq_len": 64, "seed": 1},
         eval={"datasets": ["wikitext2", calibration_uri], "seq_len": 64, "max_windows": 2, "dense_reference": True},
@@ -188,7 +178,7 @@ def test_a_cancelled_job_stops_within_one_layer(worker_settings, models_dir) -> 
     _root, model = models_dir(layers=12)
 
     async def scenario(services: Services):
-        job_id = await submit(services, request_for(model))
+        job_id = await submit(services, worker_job_request(model))
         async with Worker(settings):
             await wait_for(services, job_id, lambda r: r.progress.layer >= 2)
             cancellation = await services.jobs.cancel(TEAM, job_id)
@@ -223,7 +213,7 @@ def test_a_job_that_cannot_run_fails_with_a_readable_reason_and_keeps_its_log(
     _root, model = models_dir(layers=4)
 
     async def scenario(services: Services):
-        job_id = await submit(services, request_for(model) | change)
+        job_id = await submit(services, worker_job_request(model) | change)
         async with Worker(settings):
             return await wait_for(services, job_id, ended)
 
@@ -239,7 +229,7 @@ def test_a_job_whose_lease_is_taken_away_is_left_to_its_new_owner(worker_setting
     _root, model = models_dir(layers=12)
 
     async def scenario(services: Services):
-        job_id = await submit(services, request_for(model))
+        job_id = await submit(services, worker_job_request(model))
         async with Worker(settings) as worker:
             await wait_for(services, job_id, lambda r: r.progress.layer >= 1)
             # What the janitor does when it re-delivers a job another worker then claims.
@@ -259,7 +249,7 @@ def test_a_job_interrupted_by_shutdown_resumes_elsewhere_and_equals_an_uninterru
 ) -> None:
     settings = worker_settings(lease_seconds=5)
     _root, model = models_dir(layers=12)
-    request = request_for(model)
+    request = worker_job_request(model)
 
     async def scenario(services: Services):
         job_id = await submit(services, request)
