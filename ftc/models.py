@@ -4,7 +4,6 @@ file, or a compressed artifact written by this library."""
 from __future__ import annotations
 
 import importlib.util
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,25 +62,6 @@ def load_tokenizer(source: ModelSource):
 
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     return AutoTokenizer.from_pretrained(source.path, **extra)
-
-
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """`(model, tokenizer)` in eval mode. GGUF weights are dequantised to `dtype`."""
-    from transformers import AutoModelForCausalLM
-
-    if source.kind == "artifact":
-        from .artifact import load_artifact
-
-        model, tokenizer, _ = load_artifact(source.path, dtype, device)
-        return model, tokenizer
-    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    tokenizer = load_tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra)
-    config = model.config
-    if getattr(config, "quantization_config", None) is not None and source.kind == "gguf":
-        del config.quantization_config  # dequantised: the weights are plain tensors now
-    return model.to(device).eval(), tokenizer
 
 
 def pick_device(name: str) -> torch.device:

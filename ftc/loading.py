@@ -1,0 +1,28 @@
+"""Load any resolved model for inference: a base checkpoint through transformers, a compressed
+artifact through its own loader. It sits above both so that neither imports the other."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .artifact import load_artifact
+from .models import ModelSource, load_tokenizer
+
+
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """`(model, tokenizer)` in eval mode. GGUF weights are dequantised to `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    if source.kind == "artifact":
+        model, tokenizer, _ = load_artifact(source.path, dtype, device)
+        return model, tokenizer
+    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    tokenizer = load_tokenizer(source)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra)
+    config = model.config
+    if getattr(config, "quantization_config", None) is not None and source.kind == "gguf":
+        del config.quantization_config  # dequantised: the weights are plain tensors now
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,144 @@
+"""`ftc sweep ...` against a running API, and `ftc scheduler` as a real process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from cli.client import ApiClient, ApiError
+from cli.sweeps import _add_create_flags, build_sweep_request
+from service.runtime import Services
+from service.scheduler import Scheduler
+from tests.cli.test_service_commands import ftc
+from tests.support.servers import wait_until
+from tests.support.service import TEAM_KEYS, Api
+from tests.support.sweeps import work_queue
+
+CREATE = [
+    "sweep", "create", "--name", "nightly", "--models", "smollm2-135m", "--ratios", "0.8,0.4",
+    "--methods", "ftc,svd_llm", "--calib-samples", "8", "--seq-len", "256", "--eval-datasets", "wikitext2",
+    "--eval-seq-len", "256", "--max-windows", "4",
+]  # fmt: skip
+
+
+@pytest.fixture
+def cli_api(api: Api, monkeypatch: pytest.MonkeyPatch) -> Api:
+    monkeypatch.setenv("FTC_API_URL", api.base_url)
+    monkeypatch.setenv("FTC_API_KEY", TEAM_KEYS["team-a"])
+    return api
+
+
+def test_flags_become_a_sweep_request() -> None:
+    parser = argparse.ArgumentParser()
+    _add_create_flags(parser)
+    args = parser.parse_args(
+        ["--models", "a,b", "--ratios", "0.5", "--ablations", "none;no_whiten,fixed_ranks", "--schedule", "0 2 * * *",
+         "--change-threshold", "0.05", "--eval-datasets", ""]
+    )  # fmt: skip
+    assert build_sweep_request(args, upload=lambda path: "unused") == {
+        "models": ["a", "b"],
+        "ratios": [0.5],
+        "ablations": [[], ["no_whiten", "fixed_ranks"]],
+        "schedule": "0 2 * * *",
+        "change_threshold": 0.05,
+        "eval": {"datasets": []},
+    }
+
+
+def test_create_follow_download_rerun_and_cancel(cli_api: Api, capsys, tmp_path: Path) -> None:
+    assert ftc(*CREATE) == 0
+    sweep = json.loads(capsys.readouterr().out)
+    assert (sweep["name"], sweep["status"], len(sweep["run"]["cells"])) == ("nightly", "queued", 4)
+    assert ftc("sweep", "ls") == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(sweep["id"]) and "nightly" in line and "[once]" in line and "4 queued" in line
+
+    async def work_then_report(services: Services) -> None:
+        await work_queue(services)
+        await Scheduler(services).tick()
+
+    worker = threading.Timer(0.5, lambda: cli_api.run(work_then_report))
+    worker.start()
+    assert ftc("sweep", "watch", sweep["id"], "--interval", "0.2") == 0
+    worker.join()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"run {sweep['run']['id']}  queued") and "report: runs/" in out[-1]
+
+    assert ftc("sweep", "files", sweep["id"]) == 0
+    listed = [line.split()[-1] for line in capsys.readouterr().out.splitlines()]
+    assert "results.csv" in listed and f"runs/{sweep['run']['id']}/plot.svg" in listed
+    target = tmp_path / "table.csv"
+    assert ftc("sweep", "download", sweep["id"], "results.csv", "-o", str(target)) == 0
+    assert capsys.readouterr().out.strip() == f"{target} ({target.stat().st_size} bytes)"
+    assert target.read_text().startswith("model,method,rho,status,ppl_wikitext2")
+
+    assert ftc("sweep", "run", sweep["id"]) == 0
+    rerun = json.loads(capsys.readouterr().out)
+    assert (rerun["runs_total"], rerun["run"]["trigger"]) == (2, "manual")
+    assert ftc("sweep", "cancel", sweep["id"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "cancelled"
+    assert ftc("sweep", "get", sweep["id"], "--run", sweep["run"]["id"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["status"] == "succeeded"
+
+
+def test_errors_are_one_line_and_exit_code_2(cli_api: Api, capsys) -> None:
+    assert ftc("sweep", "create", "--models", "m", "--ratios", "1.5") == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == "ftc: error: POST /v1/sweeps answered 422: ratios.0: ratio must be in (0, 1]; got 1.5"
+    )
+    assert ftc("sweep", "get", "swp_" + "0" * 22) == 2
+    assert "answered 404" in capsys.readouterr().err
+    assert ftc("sweep", "download", "swp_" + "0" * 22, "plot.svg", "-o", os.devnull) == 2
+
+
+def test_the_scheduler_command_writes_reports_and_stops_cleanly(cli_api: Api, tmp_path: Path) -> None:
+    settings = cli_api.settings
+    env = {
+        **os.environ,
+        "FTC_REDIS_URL": settings.redis_url,
+        "FTC_KEY_PREFIX": settings.key_prefix,
+        "FTC_STORE_URL": settings.store_url,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    client = cli_api.client()
+    sweep = client.post("/v1/sweeps", json={"models": ["smollm2-135m"], "ratios": [0.5]}).json()
+    command = [sys.executable, "-m", "cli", "scheduler", "--interval", "0.2", "--name", "cli-test"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        cli_api.run(work_queue)
+        wait_until(lambda: client.get(f"/v1/sweeps/{sweep['id']}").json()["run"]["report"], "the report")
+        assert client.get(f"/v1/sweeps/{sweep['id']}/files/plot.png").status_code == 200
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert "scheduler cli-test is active" in output and "report written" in output
+    assert cli_api.run(lambda s: s.redis.exists(f"{settings.key_prefix}:scheduler:lock")) == 0  # released
+
+
+def test_the_scheduler_command_refuses_unusable_settings() -> None:
+    env = {**os.environ, "FTC_STORE_URL": "gs://bucket/x", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    result = subprocess.run(
+        [sys.executable, "-m", "cli", "scheduler"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and result.stderr.strip().endswith("use a folder path or s3://bucket/prefix")
+
+
+def test_client_download_reports_http_errors_without_leaving_a_file(cli_api: Api, tmp_path: Path) -> None:
+    target = tmp_path / "plot.svg"
+    with pytest.raises(ApiError, match="answered 401"):
+        ApiClient(cli_api.base_url, api_key="wrong-key-000").download_sweep_file("swp_x", "plot.svg", target)
+    with pytest.raises(ApiError, match="cannot reach"):
+        ApiClient("http://127.0.0.1:9", api_key="k" * 10).download_sweep_file("swp_x", "plot.svg", target)
+    assert not target.exists()

@@ -1,0 +1,141 @@
+"""Layer streaming: sharded and GGUF sources, one layer resident at a time, resumable runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ftc.arch import UnsupportedModel, layout_of
+from ftc.artifact import load_artifact
+from ftc.compress import CompressOptions, compress
+from ftc.methods import make_method
+from ftc.pipeline import compress_model
+from tests.support.tiny import tiny_model
+
+FTC = [sys.executable, "-m", "cli"]
+IDS = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(5))
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def test_streamed_sharded_run_equals_the_in_memory_run(tiny_folder, smollm2_tokenizer, tmp_path):
+    folder = tiny_folder("gqa", layers=3, shard_bytes=200_000)
+    assert (folder / "model.safetensors.index.json").is_file()
+    options = CompressOptions(model=str(folder), ratio=0.4, calib_samples=4, seq_len=64, dtype="float32",
+                              device="cpu", batch_size=2)
+    manifest = compress(options, tmp_path / "streamed", progress=False)
+    streamed, _, _ = load_artifact(tmp_path / "streamed")
+
+    from ftc.compress import calibration_batch
+
+    model = tiny_model("gqa", vocab_size=len(smollm2_tokenizer), layers=3)
+    layout = layout_of(model.config)
+    calib = calibration_batch(smollm2_tokenizer, options, layout.hidden)
+    compress_model(model, layout, make_method("ftc", 0.4, torch.float32), calib, device=torch.device("cpu"),
+                   batch_size=2, progress=False)
+    torch.testing.assert_close(_logits(streamed), _logits(model), rtol=1e-5, atol=1e-5)
+    assert manifest["resumed_from_layer"] == 0 and len(manifest["layers"]) == 3
+
+
+def _compress_cmd(folder, out, work, ratio="0.4"):
+    return [*FTC, "compress", "--model", str(folder), "--ratio", ratio, "--calib-samples", "8", "--seq-len", "128",
+            "--device", "cpu", "--dtype", "float32", "--batch-size", "2", "--quiet", "--out", str(out),
+            "--work-dir", str(work)]
+
+
+def test_a_killed_run_resumes_and_matches_an_uninterrupted_one(tiny_folder, tmp_path):
+    folder = tiny_folder("gqa", layers=8, hidden=256)
+    work = tmp_path / "work"
+    proc = subprocess.Popen(_compress_cmd(folder, tmp_path / "resumed", work), stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (work / "layer-001.json").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "resumed").exists()
+    done = subprocess.run(_compress_cmd(folder, tmp_path / "resumed", work), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
+    assert 2 <= manifest["resumed_from_layer"] < 8
+    straight = subprocess.run(_compress_cmd(folder, tmp_path / "straight", tmp_path / "work2"), capture_output=True,
+                              text=True)
+    assert straight.returncode == 0, straight.stderr
+    resumed, _, _ = load_artifact(tmp_path / "resumed")
+    uninterrupted, _, _ = load_artifact(tmp_path / "straight")
+    torch.testing.assert_close(_logits(resumed), _logits(uninterrupted), rtol=0, atol=0)
+    # the same work dir refuses a different run
+    other = subprocess.run(_compress_cmd(folder, tmp_path / "other", work, ratio="0.5"), capture_output=True,
+                           text=True)
+    assert other.returncode == 2 and "different run" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path):
+    folder = tiny_folder("gemma_mqa")
+    done = subprocess.run([*FTC, "compress", "--model", str(folder), "--ratio", "0.3", "--dry-run",
+                           "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["layers"] == 2 and plan["slices"] == 2 + 2 * 1 and plan["qkv_shape"] == [48, 32, 4]
+    assert plan["qkv_budget_values_per_layer"] == int(0.3 * 48 * 32 * 4)
+    assert plan["estimated_peak_bytes"]["total"] > 0 and not (tmp_path / "x").exists()
+
+
+def test_an_unsupported_architecture_fails_fast_naming_the_supported_ones():
+    from transformers import GPT2Config
+
+    with pytest.raises(UnsupportedModel, match="supported: gemma, gemma2, gptj, llama, mistral, qwen2, qwen3"):
+        layout_of(GPT2Config())
+
+
+def test_gguf_tensors_stream_exactly_as_transformers_loads_them():
+    from ftc.loading import load_model
+    from ftc.models import resolve_model
+    from ftc.weights import open_weights
+
+    source = resolve_model("smollm2-135m")
+    streamed = open_weights(source)
+    dense, _ = load_model(source)
+    state = dense.state_dict()
+    assert set(streamed.names()) == set(state) - {"lm_head.weight"}  # tied head stored once
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        assert torch.equal(streamed.get(name), state[name]), name
+    assert streamed.nbytes == os.path.getsize(source.path / source.gguf_file)
+
+
+def test_joined_safetensors_hold_every_input_tensor_unchanged(tmp_path):
+    """The artifact's weights file is the inputs' data sections copied verbatim under a merged header."""
+    from safetensors.torch import load_file, save_file
+
+    from ftc.artifact import concat_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    parts = [
+        {"mask": torch.randint(0, 255, (13,), dtype=torch.uint8, generator=gen),  # odd size: offsets shift
+         "a": torch.randn(3, 5, generator=gen)},
+        {"b": torch.randn(7, generator=gen).half(), "empty": torch.zeros(0, 4), "ids": torch.arange(6)},
+        {"c": torch.randn(2, 2, generator=gen).double()},
+    ]
+    sources = []
+    for i, part in enumerate(parts):
+        save_file(part, str(tmp_path / f"{i}.safetensors"))
+        sources.append(tmp_path / f"{i}.safetensors")
+    size = concat_safetensors(sources, tmp_path / "joined.safetensors", {"format": "test"})
+    joined = load_file(str(tmp_path / "joined.safetensors"))
+    expected = {k: v for part in parts for k, v in part.items()}
+    assert size == (tmp_path / "joined.safetensors").stat().st_size
+    assert joined.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert joined[name].dtype == tensor.dtype and torch.equal(joined[name], tensor), name
