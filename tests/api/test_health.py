@@ -59,7 +59,8 @@ def test_the_api_process_never_imports_torch_or_ray(tmp_path) -> None:
 import json, sys
 from api.app import create_app
 from service.settings import Settings
-from cli.service import register
+from cli.main import build_parser
+build_parser()
 create_app(Settings(api_keys={API_KEYS!r}, store_url={str(tmp_path)!r}))
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "ray", "ftc", "transformers"))))
 """

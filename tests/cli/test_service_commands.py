@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -12,18 +11,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cli.service import register
+from cli.main import main
 from service.schemas import Progress
 from tests.support.servers import free_port, wait_until
 from tests.support.service import API_KEYS, TEAM_KEYS, Api
 
 
 def ftc(*argv: str) -> int:
-    """Run a command the way `ftc` would, through a parser built around `register`."""
-    parser = argparse.ArgumentParser(prog="ftc")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """Run a command in process, through the `ftc` entry point itself."""
+    return main(list(argv))
 
 
 @pytest.fixture
@@ -151,8 +147,7 @@ def test_serve_runs_the_api(service_settings, tmp_path: Path) -> None:
         "PATH": "/usr/bin:/bin",
     }
     program = (
-        "import argparse, sys; from cli.service import register; p = argparse.ArgumentParser(); "
-        "register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
+        "import sys; from cli.main import main; sys.exit(main(sys.argv[1:]))"
     )
     server = subprocess.Popen(
         [sys.executable, "-c", program, "serve", "--port", str(port)],
@@ -175,5 +170,6 @@ def test_serve_runs_the_api(service_settings, tmp_path: Path) -> None:
     refused = subprocess.run([sys.executable, "-c", program, "serve"], env=env, capture_output=True, text=True)
     assert refused.returncode == 2
     assert (
-        refused.stderr.strip() == "ftc: error: FTC_API_KEYS is empty: set it to key:team,... or to a file of key:team lines"
+        refused.stderr.strip()
+        == "ftc: error: FTC_API_KEYS is empty: set it to key:team,... or to a file of key:team lines"
     )
