@@ -37,6 +37,15 @@ class Settings(BaseSettings):
     janitor_interval_seconds: float = Field(15.0, ge=0, description="0 turns the in-API janitor off.")
     idempotency_ttl_seconds: int = Field(24 * 3600, ge=60)
     max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1)
+    max_body_bytes: int = Field(
+        1024 * 1024, ge=1024, description="Largest request body other than an upload; 413 beyond, read no further."
+    )
+    max_calib_tokens: int = Field(
+        1024 * 1024,
+        ge=16,
+        description="Largest calibration.samples x calibration.seq_len a job may ask for: the calibration "
+        "stream is tokens x hidden float32 values per copy (16 GiB at this default for hidden 4096).",
+    )
 
 
 @lru_cache(maxsize=1)
