@@ -9,6 +9,11 @@ written last and the folder appears atomically.
 
 Tensor names: every unchanged weight keeps its Hugging Face name; compressed groups are stored
 as `{layer prefix}.ftc.{group}.{tensor}` (group `qkv`, `o`, or `q`/`k`/`v` for per-matrix methods).
+
+`config.json` is the base model's config under its own architecture (`model_type` `ftc_<base>`,
+`auto_map` to the `modeling_ftc.py` copied beside it) plus an `ftc` block with every group's spec
+and tensor shapes, so transformers (with `trust_remote_code=True`) and `load_artifact` build the
+same modules from the same files.
 """
 
 from __future__ import annotations
@@ -25,21 +30,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .arch import AttentionLayout, decoder_layers, layout_of, set_module
+from .arch import AttentionLayout, decoder_layers, layout_of
+from .hf import modeling_ftc
+from .hf.modeling_ftc import FORMAT_VERSION, family, group_name
 from .options import InputError
-from .stored import FactoredLinear, build_modules, stored_values
-from .weights import embedding_weight_name, skeleton
+from .stored import runtime_values, stored_values, tensor_shapes
 
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
-FORMAT_VERSION = 1
+CONFIG = "config.json"
+CODE = f"{modeling_ftc.CODE_FILE}.py"
 COPY_CHUNK = 16 << 20
 DTYPE_CODES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
                torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
-
-
-def group_name(spec: dict) -> str:
-    return "".join(spec["proj"])
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -72,18 +75,15 @@ def atomic_dir(target: Path, overwrite: bool = False):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _factor_keys(module: nn.Module, params: tuple[str, ...] = ("a", "b")) -> set[str]:
-    return {f"{name}.{p}" if name else p for name, m in module.named_modules() if isinstance(m, FactoredLinear)
-            for p in params}
-
-
 def layer_tensors(layer: nn.Module, prefix: str, groups: list, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A compressed decoder layer as stored: unchanged weights in `dtype` plus its groups."""
-    skip = _factor_keys(layer)
+    """A compressed decoder layer as stored: unchanged weights in `dtype` plus its groups.
+
+    The installed projections reference their groups without registering them, so the layer's
+    own state dict holds only the uncompressed weights and the projections' biases.
+    """
     out = {}
     for key, value in layer.state_dict().items():
-        if key not in skip:
-            out[f"{prefix}.{key}"] = value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype)
+        out[f"{prefix}.{key}"] = value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype)
     for spec, tensors in groups:
         for name, t in tensors.items():
             out[f"{prefix}.ftc.{group_name(spec)}.{name}"] = t.detach().cpu()
@@ -91,8 +91,10 @@ def layer_tensors(layer: nn.Module, prefix: str, groups: list, dtype: torch.dtyp
 
 
 def group_entries(groups: list) -> list[dict]:
-    """Manifest entries of a layer's groups: the spec, the values it occupies and its bytes."""
-    return [{**spec, "values": stored_values(spec, tensors),
+    """Manifest entries of a layer's groups: the spec, its tensor shapes, the values it occupies on
+    disk and at run time, and its bytes."""
+    return [{**spec, "shapes": tensor_shapes(tensors), "values": stored_values(spec, tensors),
+             "runtime_values": runtime_values(spec, tensors),
              "bytes": sum(t.numel() * t.element_size() for t in tensors.values())} for spec, tensors in groups]
 
 
@@ -211,14 +213,42 @@ def concat_safetensors(sources: list[Path], target: Path, metadata: dict[str, st
     return target.stat().st_size
 
 
+GROUP_SPEC_KEYS = ("kind", "proj", "heads", "shape", "kept", "kv_repeat", "shapes")
+
+
+def compressed_config(config, entries: list[dict]) -> dict:
+    """The artifact's `config.json`: the base config under the compressed architecture."""
+    layout = layout_of(config)
+    config_name, model_name = modeling_ftc.family_names(layout.model_type)
+    base = config.to_dict()
+    block = {
+        "format_version": FORMAT_VERSION,
+        "base_model_type": layout.model_type,
+        "base_architectures": base.get("architectures") or [model_name[len("Ftc"):]],
+        "layers_path": layout.layers_path,
+        "projections": layout.projections,
+        "head_dim": layout.head_dim,
+        "layers": [{"index": e["index"], "groups": [{k: g[k] for k in GROUP_SPEC_KEYS if k in g}
+                                                    for g in e["groups"]]} for e in entries],
+    }
+    return {**base, "model_type": f"ftc_{layout.model_type}", "architectures": [model_name],
+            "auto_map": {"AutoConfig": f"{modeling_ftc.CODE_FILE}.{config_name}",
+                         "AutoModelForCausalLM": f"{modeling_ftc.CODE_FILE}.{model_name}"},
+            "ftc": block}
+
+
 def assemble(out_dir: Path, store: LayerStore, config, tokenizer, manifest: dict, overwrite: bool = False) -> dict:
     """Build the artifact folder from a complete `LayerStore`, atomically; returns the manifest."""
     with atomic_dir(out_dir, overwrite) as tmp:
-        written = concat_safetensors(store.files(), tmp / WEIGHTS, {"format": "ftc", "version": str(FORMAT_VERSION)})
-        config.save_pretrained(tmp)
+        written = concat_safetensors(store.files(), tmp / WEIGHTS, {"format": "pt"})
+        entries = store.entries()
+        (tmp / CONFIG).write_text(json.dumps(compressed_config(config, entries), indent=2, sort_keys=True))
+        shutil.copyfile(modeling_ftc.__file__, tmp / CODE)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        manifest = {**manifest, "format_version": FORMAT_VERSION, "layers": store.entries(), "bytes_written": written}
+        manifest = {**manifest, "format_version": FORMAT_VERSION, "layers": entries, "bytes_written": written,
+                    "stored_values": sum(e["stored_values"] for e in entries),
+                    "runtime_values": sum(e["runtime_values"] for e in entries)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: its presence means complete
     return manifest
 
@@ -243,7 +273,10 @@ def write_artifact(out_dir: Path, model: nn.Module, tokenizer, layout: Attention
 
 
 def layer_entry(result) -> dict:
-    return {"index": result.index, "groups": group_entries(result.groups), **result.report,
+    groups = group_entries(result.groups)
+    return {"index": result.index, "groups": groups, **result.report,
+            "stored_values": sum(g["values"] for g in groups),
+            "runtime_values": sum(g["runtime_values"] for g in groups),
             "seconds": round(result.seconds, 3)}
 
 
@@ -263,40 +296,47 @@ def read_manifest(path: Path) -> dict:
     return json.loads((Path(path) / MANIFEST).read_text())
 
 
+def ftc_block(path: Path) -> dict:
+    """The `ftc` block of an artifact's config, or a clear error for anything else."""
+    path = Path(path)
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path} is not an ftc artifact: cannot read {CONFIG} ({exc})") from None
+    block = config.get("ftc")
+    if not (path / MANIFEST).exists() or block is None:
+        raise InputError(f"{path} is not an ftc artifact (no {MANIFEST} or no 'ftc' block in {CONFIG}); "
+                         f"give a folder written by 'ftc compress' (format {FORMAT_VERSION})")
+    if block.get("format_version") != FORMAT_VERSION:
+        raise InputError(f"{path} is in artifact format {block.get('format_version')}; this ftc reads format "
+                         f"{FORMAT_VERSION}: compress the model again")
+    return block
+
+
+def base_config(path: Path):
+    """The stock config of the base architecture an artifact was compressed from."""
+    from transformers import CONFIG_MAPPING
+
+    block = ftc_block(path)
+    data = json.loads((Path(path) / CONFIG).read_text())
+    for key in ("ftc", "auto_map", "model_type"):
+        data.pop(key, None)
+    data["architectures"] = block["base_architectures"]
+    return CONFIG_MAPPING[block["base_model_type"]].from_dict(data)
+
+
 def load_artifact(path: Path, compute_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """`(model, tokenizer, manifest)` rebuilt from an artifact folder, with no base model needed."""
-    from transformers import AutoConfig, AutoTokenizer
+    """`(model, tokenizer, manifest)` rebuilt from an artifact folder, with no base model needed.
+
+    The model is the checkpoint's own compressed class (the one `trust_remote_code` loads),
+    taken from this package rather than from the copy in the folder.
+    """
+    from transformers import AutoTokenizer
 
     path = Path(path)
+    block = ftc_block(path)
     manifest = read_manifest(path)
-    config = AutoConfig.from_pretrained(path)
-    layout = layout_of(config)
-    model = skeleton(config)
-    tensors = load_file(str(path / WEIGHTS))
-    layers = decoder_layers(model, layout)
-    for entry in manifest["layers"]:
-        prefix = f"{layout.layers_path}.{entry['index']}."
-        biases = {}
-        for proj, name in layout.projections.items():
-            bias = tensors.pop(f"{prefix}{name}.bias", None)
-            biases[proj] = None if bias is None else bias.to(compute_dtype)
-        for spec in entry["groups"]:
-            head = f"{prefix}ftc.{group_name(spec)}."
-            group = {k[len(head):]: tensors.pop(k) for k in list(tensors) if k.startswith(head)}
-            for proj, module in build_modules(spec, group, biases, layout.head_dim, compute_dtype).items():
-                set_module(layers[entry["index"]], layout.projections[proj], module)
-    state = {k: v.to(compute_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    tied = getattr(config, "tie_word_embeddings", False)
-    if tied and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state[embedding_weight_name(model)]
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    installed = _factor_keys(model, ("a", "b", "bias"))
-    missing = [k for k in missing if k not in installed]
-    if unexpected or missing:
-        raise ValueError(f"artifact {path} does not match its config: missing {missing}, unexpected {unexpected}")
-    if tied:
-        model.tie_weights()
+    _, model_cls = family(block["base_model_type"])
+    model = model_cls.from_pretrained(path, dtype=compute_dtype)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     return model.to(device).eval(), tokenizer, manifest
-
-
