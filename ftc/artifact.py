@@ -299,12 +299,14 @@ def read_manifest(path: Path) -> dict:
 def ftc_block(path: Path) -> dict:
     """The `ftc` block of an artifact's config, or a clear error for anything else."""
     path = Path(path)
+    if not (path / MANIFEST).is_file() or not (path / CONFIG).is_file():
+        raise InputError(f"{path} is not an ftc artifact (no {MANIFEST} or {CONFIG}); give a folder written by "
+                         f"'ftc compress'")
     try:
-        config = json.loads((path / CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path} is not an ftc artifact: cannot read {CONFIG} ({exc})") from None
-    block = config.get("ftc")
-    if not (path / MANIFEST).exists() or block is None:
+        block = json.loads((path / CONFIG).read_text()).get("ftc")
+    except ValueError as exc:
+        raise InputError(f"{path}/{CONFIG} is not valid JSON ({exc}); the artifact is damaged") from None
+    if block is None:
         raise InputError(f"{path} is not an ftc artifact (no {MANIFEST} or no 'ftc' block in {CONFIG}); "
                          f"give a folder written by 'ftc compress' (format {FORMAT_VERSION})")
     if block.get("format_version") != FORMAT_VERSION:
