@@ -109,13 +109,17 @@ class SVDLLM(Method):
 class FTC(Method):
     """The full method: joint head-concat Tucker for Q/K/V (§2-§7), calibrated W_O (§8)."""
 
-    needs_student_context = True
+    needs_student_context = True  # W_O's target and, even under `no_wo_target`, its own metric use A_s
 
-    def __post_init__(self) -> None:
-        if "no_sequential" in self.ablations:
-            self.stream = "teacher"
-        if "no_wo_target" in self.ablations:
-            self.needs_student_context = True  # W_O's own metric still needs A_s
+    @property
+    def stream(self) -> str:  # type: ignore[override]
+        """`no_sequential` gathers the metric on the original model's stream (§3).
+
+        A property, not a field set after construction: the dataclass `__init__` that
+        subclasses inherit never calls a subclass's `__post_init__`, which once left this
+        ablation silently doing nothing.
+        """
+        return "teacher" if "no_sequential" in self.ablations else "student"
 
     def _tucker(self, tensor: torch.Tensor, x: Moments, proj: list[str], heads: list[int], budget: int):
         whitening = Whitening.from_gram(None if "no_whiten" in self.ablations else x.gram)
