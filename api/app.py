@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from api.docs import add_offline_docs
 from api.errors import add_error_handlers
 from api.metrics import RequestTimer
 from api.routes import artifacts, dashboard, events, health, jobs, sweeps, uploads
@@ -57,10 +58,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="1",
         description="Submit attention-compression jobs, follow their progress, fetch their artifacts.",
         lifespan=lifespan,
+        docs_url=None,  # served by add_offline_docs, without a CDN
+        redoc_url=None,
     )
     app.state.api_keys = api_keys
     app.add_middleware(RequestTimer)
     add_error_handlers(app)
     for module in (jobs, events, artifacts, uploads, sweeps, health, dashboard):
         app.include_router(module.router)
+    add_offline_docs(app)
     return app

@@ -30,12 +30,14 @@ from cli.common import (
 def _serve(args: argparse.Namespace) -> int:
     from api.app import create_app
     from api.server import serve
+    from service.settings import Settings
 
     try:
-        create_app()  # check the settings here, where a bad one can be reported in one line
+        settings = Settings()
+        create_app(settings)  # check the settings here, where a bad one can be reported in one line
     except ValueError as error:
         return fail(str(error))
-    serve(args.host, args.port, args.workers)
+    serve(args.host, args.port, args.workers, log_format=settings.log_format)
     return 0
 
 

@@ -8,7 +8,6 @@ line and exit code 2 on failure).
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -121,6 +120,7 @@ def _watch(client: ApiClient, args: argparse.Namespace) -> int:
 
 
 def _scheduler(args: argparse.Namespace) -> int:
+    from service.logs import configure_logging
     from service.scheduler import run_scheduler
     from service.settings import Settings
     from service.store import store_for
@@ -130,7 +130,7 @@ def _scheduler(args: argparse.Namespace) -> int:
         store_for(settings)  # a bad store URL is reported here, in one line
     except ValueError as error:
         return fail(str(error))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_format)
     run_scheduler(settings, interval_seconds=args.interval, lock_seconds=args.lock_seconds, name=args.name)
     return 0
 

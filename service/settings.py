@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -45,6 +46,9 @@ class Settings(BaseSettings):
         ge=16,
         description="Largest calibration.samples x calibration.seq_len a job may ask for: the calibration "
         "stream is tokens x hidden float32 values per copy (16 GiB at this default for hidden 4096).",
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text: `time LEVEL logger: message` lines; json: one JSON object a line (service/logs.py)."
     )
 
 

@@ -15,9 +15,10 @@ import socket
 import threading
 from typing import Any
 
+from service.logs import configure_logging, log_context
 from service.redis_client import REDIS_DOWN_ERRORS
 from service.runtime import Services
-from workers.joblog import FORMAT
+from workers import metrics
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,10 @@ class JobWorker:
         self.jobs_run = 0
         self._shutdown = threading.Event()
         if not logging.getLogger().handlers:  # inside a Ray actor: lines go to the driver's output
-            logging.basicConfig(level=logging.INFO, format=FORMAT)
+            configure_logging(self.settings.log_format)
+        self.metrics_endpoint = metrics.NodeEndpoint(self.settings.worker_metrics_port)
+        if self.settings.worker_metrics_port:
+            metrics.prepare(self.settings.work_dir)  # before anything loads prometheus_client
         import torch  # loaded now, so the first job does not pay for it
 
         torch.set_num_threads(self.settings.cpus_per_worker)
@@ -56,6 +60,7 @@ class JobWorker:
         log.info("worker %s started (device %s)", self.name, self.device)
         try:
             while not self._shutdown.is_set():
+                self.metrics_endpoint.try_serve()
                 try:
                     lease = await services.queue.claim(self.name, block_ms=CLAIM_BLOCK_MS)
                 except REDIS_DOWN_ERRORS as error:
@@ -66,7 +71,8 @@ class JobWorker:
                     continue
                 log.info("claimed job %s (attempt %d)", lease.job_id, lease.attempt)
                 try:
-                    await run_job(services, self.settings, lease, self.device, self._shutdown)
+                    with log_context(job_id=lease.job_id):
+                        await run_job(services, self.settings, lease, self.device, self._shutdown)
                 except Exception:  # e.g. Redis gone mid-way: the lease runs out and the job is re-delivered
                     log.exception("job %s: could not run it here; it will be re-delivered", lease.job_id)
                 self.jobs_run += 1

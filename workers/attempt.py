@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from ftc.compress import CompressOptions, compress
 from ftc.models import resolve_model
 from ftc.weights import load_config
+from service.logs import set_log_context
 from service.queue import Lease
 from service.schemas import JobRecord, Progress
 from service.store import ObjectStore
@@ -27,6 +28,7 @@ from workers.control import JobControl
 from workers.evaluation import evaluate
 from workers.inputs import compress_options, local_dataset, model_spec
 from workers.joblog import JobLog
+from workers.metrics import record_layer
 from workers.progress import ProgressClock
 from workers.publish import finalise, upload_artifact
 from workers.settings import WorkerSettings
@@ -120,9 +122,11 @@ class Attempt:
         return Inputs(model, options, datasets, layers, restored)
 
     def _compress(self, inputs: Inputs) -> dict[str, Any]:
+        set_log_context(layer=inputs.restored + 1)  # 1-based, as the progress lines count layers
         manifest = compress(
             inputs.options, self.artifact, work_dir=self.checkpoints.folder, progress=False, on_layer=self._layer_done
         )
+        set_log_context(layer=None)
         log.info("compressed %d layers (%d resumed from checkpoints)", inputs.layers, manifest["resumed_from_layer"])
         return manifest
 
@@ -138,6 +142,8 @@ class Attempt:
 
     def _layer_done(self, result) -> None:
         log.info("layer %d of %d done in %.2f s", result.index + 1, result.total, result.seconds)
+        record_layer(result.seconds)
+        set_log_context(layer=result.index + 2 if result.index + 1 < result.total else None)
         self.checkpoints.push()
         self.job_log.upload()
         self._report(self.clock.layer_done(result.index + 1))

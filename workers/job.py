@@ -13,12 +13,14 @@ import asyncio
 import logging
 import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 
 from ftc.options import InputError
 from service.errors import LeaseLost
 from service.jobs import record_from_hash
+from service.logs import set_log_context
 from service.queue import Lease
 from service.redis_client import REDIS_DOWN_ERRORS
 from service.runtime import Services
@@ -26,6 +28,7 @@ from service.store.layout import LOG, job_prefix
 from workers.attempt import Attempt
 from workers.control import JobCancelled, JobControl, WorkerStopping
 from workers.joblog import JobLog
+from workers.metrics import record_attempt, record_outcome
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -50,11 +53,15 @@ async def run_job(
 ) -> str:
     """Run the job `lease` holds; returns succeeded, failed, cancelled, lost or interrupted."""
     record = record_from_hash(await services.redis.hgetall(services.jobs.keys.job(lease.job_id)))
+    set_log_context(job_id=lease.job_id, team=record.team)
+    started = time.monotonic()
+    record_attempt(lease.attempt)
     control = JobControl(asyncio.get_running_loop(), services.jobs, lease, shutdown)
     folder = Path(settings.work_dir) / "jobs" / f"{lease.job_id}-{lease.attempt}-{uuid.uuid4().hex[:8]}"
     job_log = JobLog(services.store, job_prefix(record.team, record.id), folder / LOG)
     keeper = asyncio.create_task(control.keep_lease(services.queue, settings.heartbeat_seconds))
     error: str | None = None
+    failure: Exception | None = None
     try:
         await asyncio.to_thread(job_log.open)
         log.info(
@@ -75,9 +82,9 @@ async def run_job(
             outcome = "lost"
         except WorkerStopping:
             outcome = "interrupted"
-        except Exception as failure:
+        except Exception as raised:
             log.exception("job %s failed", lease.job_id)
-            outcome, error = "failed", summarise(failure)
+            outcome, error, failure = "failed", summarise(raised), raised
         if control.lost:  # whatever happened after the lease was lost is not ours to record
             outcome = "lost"
         log.info("job %s: %s%s", lease.job_id, _describe(outcome), f": {error}" if error else "")
@@ -87,6 +94,7 @@ async def run_job(
         keeper.cancel()
         job_log.close()
         shutil.rmtree(folder, ignore_errors=True)
+    record_outcome(outcome, time.monotonic() - started, failure)
     if outcome in ENDED:
         await _record(services, lease, outcome, error, settings.lease_seconds)
     return outcome

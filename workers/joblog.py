@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from service.logs import attach_context
 from service.store import ObjectMissing, ObjectStore
 from service.store.layout import LOG
-
-FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +37,7 @@ class JobLog:
         except Exception as error:  # the store is down: this attempt's lines are still worth keeping
             problem = error
         self.path.write_bytes(earlier)
-        handler = logging.FileHandler(self.path, encoding="utf-8")
-        handler.setFormatter(logging.Formatter(FORMAT))
+        handler = attach_context(logging.FileHandler(self.path, encoding="utf-8"))  # text, with the layer
         handler.setLevel(logging.INFO)
         root = logging.getLogger()
         root.addHandler(handler)

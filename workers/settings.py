@@ -20,7 +20,8 @@ class WorkerSettings(Settings):
     models_dir: str | None = Field(
         None,
         description="Folder of local models: a job's model `org/name` is read from `{models_dir}/org/name` "
-        "(a Hugging Face folder) or `{models_dir}/org/name.gguf`. Aliases such as smollm2-135m need nothing.",
+        "(a Hugging Face folder) or `{models_dir}/org/name.gguf` when it is there, else from the Hugging Face "
+        "cache (HF_HOME; downloaded unless HF_HUB_OFFLINE=1). Aliases such as smollm2-135m need nothing.",
     )
     work_dir: str = Field(
         str(Path(tempfile.gettempdir()) / "ftc-worker"),
@@ -30,6 +31,13 @@ class WorkerSettings(Settings):
         "auto", description="auto: one actor per GPU when the Ray cluster has GPUs, else CPU actors."
     )
     cpus_per_worker: int = Field(1, ge=1, description="CPU cores each worker actor reserves (and torch threads).")
+    worker_metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the worker's Prometheus endpoint (/metrics), served by the `ftc worker` process for "
+        "its actors on this node; 0 serves none.",
+    )
 
     @property
     def heartbeat_seconds(self) -> float:

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.logs import configure_logging
 from service.queue import run_janitor
 from service.runtime import Services
 from workers.actor import JobWorker
-from workers.joblog import FORMAT
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ def main(settings: WorkerSettings, num_workers: int | None) -> int:
     """Run the workers until SIGTERM or SIGINT; the exit code of `ftc worker`."""
     import ray
 
-    logging.basicConfig(level=logging.INFO, format=FORMAT)
+    configure_logging(settings.log_format)
     connect(settings, num_workers)
     try:
         placement = place(settings, num_workers, ray.cluster_resources().get("GPU", 0))

@@ -202,7 +202,7 @@ def test_a_cancelled_job_stops_within_one_layer(worker_settings, models_dir) -> 
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        ({"model": "tiny/not-there"}, "is not available to the workers"),
+        ({"model": "tiny/not-there"}, "model tiny/not-there is not in the Hugging Face cache"),
         ({"calibration": {"samples": 1, "seq_len": 16}}, "raise --calib-samples or --seq-len"),
     ],
     ids=["unknown-model", "too-little-calibration"],
