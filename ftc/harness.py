@@ -1,0 +1,76 @@
+"""The `ftc` model backend for lm-evaluation-harness, and a launcher for lm-eval's command line.
+
+`FTCLM` is lm-eval's own `HFLM` given the model object this library loads: a compressed artifact
+runs in its factorized form, any other `--model` spec (alias, Hugging Face folder, .gguf) runs as
+transformers loads it. Loglikelihood, rolling loglikelihood and generation are HFLM's, unchanged.
+
+lm-eval 0.4.13 has no entry-point group for model backends: its registry knows only the models it
+lists itself and those registered by `@register_model` in an imported module. Importing this
+module registers `ftc`; `ftc-lm-eval` (or `python -m ftc.harness`) is lm-eval's own command line
+with that import done first, taking exactly lm-eval's arguments:
+
+    ftc-lm-eval run --model ftc --model_args pretrained=DIR \
+        --include_path "$(ftc eval --task-dir)" --tasks ftc_arc_easy
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from ftc.loading import load_model
+from ftc.models import ModelError, pick_device, resolve_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def offline() -> None:
+    """Tasks read local files; make sure nothing in datasets/transformers reaches for the hub."""
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(name, "1")
+
+
+def _device(name: str | None) -> torch.device:
+    # lm-eval's command line defaults to cuda:0; like its HFLM, fall back to the CPU without CUDA.
+    if not name or (name.startswith("cuda") and not torch.cuda.is_available()):
+        return pick_device("auto")
+    return torch.device(name)
+
+
+@register_model("ftc")
+class FTCLM(HFLM):
+    """`pretrained` is what `ftc eval --model` accepts, or an already loaded model (with `tokenizer`)."""
+
+    def __init__(
+        self,
+        pretrained: str | torch.nn.Module,
+        tokenizer: Any = None,
+        device: str | None = None,
+        dtype: str = "float32",
+        batch_size: int | str = 1,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(pretrained, str):
+            if dtype not in DTYPES:
+                raise ModelError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+            pretrained, loaded = load_model(resolve_model(pretrained), DTYPES[dtype], _device(device))
+            tokenizer = tokenizer or loaded
+        if tokenizer is None:
+            raise ModelError("the model has no tokenizer; save one with the artifact or pass tokenizer=...")
+        super().__init__(pretrained=pretrained, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
+
+
+def main() -> None:
+    """lm-eval's command line, with the `ftc` backend registered by this module's import."""
+    from lm_eval.__main__ import cli_evaluate
+
+    offline()
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Downstream tasks: names, the shipped lm-eval configs against lm-eval's own, the local data files
+read through them, and the average of task scores."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lm_eval.tasks
+import pytest
+from lm_eval.tasks import TaskManager
+from lm_eval.tasks._yaml_loader import load_yaml
+
+from ftc.downstream import average
+from ftc.options import InputError
+from ftc.tasks import AVG6, PREFIX, TASK_DIR, TASKS, TaskDataError, parse_tasks, task_file
+
+UPSTREAM = Path(lm_eval.tasks.__file__).parent
+UPSTREAM_CONFIG = {
+    "arc_easy": "arc/arc_easy.yaml",
+    "arc_challenge": "arc/arc_easy.yaml",  # lm-eval's arc_challenge.yaml includes arc_easy.yaml
+    "hellaswag": "hellaswag/hellaswag.yaml",
+    "piqa": "piqa/piqa.yaml",
+    "boolq": "super_glue/boolq/default.yaml",
+    "mathqa": "mathqa/mathqa.yaml",
+    "gsm8k": "gsm8k/gsm8k.yaml",
+}
+SCORING_KEYS = ("output_type", "doc_to_text", "doc_to_target", "doc_to_choice", "metric_list", "generation_kwargs",
+                "filter_list", "num_fewshot", "repeats")
+
+
+@pytest.fixture(scope="module")
+def loaded_tasks() -> dict:
+    manager = TaskManager(include_path=str(TASK_DIR), include_defaults=False)
+    loaded = manager.load([PREFIX + t for t in TASKS])["tasks"]
+    return {name[len(PREFIX):]: task for name, task in loaded.items()}
+
+
+def test_task_names_expand_avg6_and_reject_unknown_ones():
+    assert parse_tasks("avg6") == AVG6
+    assert parse_tasks("piqa, avg6,gsm8k") == ("piqa", *[t for t in AVG6 if t != "piqa"], "gsm8k")
+    assert parse_tasks(["boolq", "boolq"]) == ("boolq",) and parse_tasks("") == ()
+    with pytest.raises(InputError, match="unknown task winogrande; choose from arc_easy"):
+        parse_tasks("arc_easy,winogrande")
+
+
+def test_a_missing_data_file_names_the_file_and_ftc_data_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("FTC_DATA_DIR", str(tmp_path))
+    with pytest.raises(TaskDataError, match=f"{tmp_path}/tasks/piqa_validation.jsonl; set FTC_DATA_DIR"):
+        task_file("piqa")
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_configs_keep_lm_evals_prompts_choices_and_metrics(task):
+    ours = load_yaml(TASK_DIR / f"{PREFIX}{task}.yaml", resolve_func=False)
+    if "include" in ours:
+        ours = load_yaml(TASK_DIR / ours["include"], resolve_func=False) | ours
+    upstream = load_yaml(UPSTREAM / UPSTREAM_CONFIG[task], resolve_func=False)
+    for key in SCORING_KEYS:
+        mine, theirs = ours.get(key), upstream.get(key)
+        if isinstance(theirs, str) and theirs.endswith(".doc_to_choice"):  # `!function utils.x`, by path
+            mine, theirs = Path(mine).name, Path(theirs).name
+        assert mine == theirs, f"{task}: {key} differs from lm-eval's config"
+
+
+def test_every_document_of_every_multiple_choice_task_has_a_valid_answer(loaded_tasks):
+    sizes = {}
+    for name, task in loaded_tasks.items():
+        docs = task.eval_docs
+        sizes[name] = len(docs)
+        if task.OUTPUT_TYPE != "multiple_choice":
+            continue
+        for doc in docs:
+            target, choices = task.doc_to_target(doc), task.doc_to_choice(doc)
+            assert isinstance(target, int) and 0 <= target < len(choices) and all(choices), (name, doc)
+    # full splits, as listed in the data folder's SOURCES.md
+    assert sizes == {"arc_easy": 2376, "arc_challenge": 1172, "hellaswag": 10042, "piqa": 1838, "boolq": 3270,
+                     "mathqa": 2985, "gsm8k": 1319}
+
+
+def test_documents_render_as_lm_eval_prompts(loaded_tasks):
+    arc = loaded_tasks["arc_easy"]
+    doc = arc.eval_docs[0]
+    assert arc.doc_to_text(doc) == (
+        "Question: Which statement best explains why photosynthesis is the foundation of most food webs?\nAnswer:"
+    )
+    assert arc.doc_to_choice(doc)[0] == "Sunlight is the source of energy for nearly all ecosystems."
+    boolq = loaded_tasks["boolq"]
+    labels = [boolq.doc_to_target(d) for d in boolq.eval_docs]
+    assert labels.count(1) == 2033 and labels.count(0) == 1237  # the string "true"/"false" of this copy
+    assert boolq.doc_to_choice(boolq.eval_docs[0]) == ["no", "yes"]
+    mathqa = loaded_tasks["mathqa"]
+    assert mathqa.doc_to_choice(mathqa.eval_docs[0]) == ["38", "27.675", "30", "data inadequate", "none of these"]
+
+
+def test_average_is_the_mean_score_with_the_stderr_of_a_mean_of_independent_tasks():
+    rows = {
+        "arc_easy": {"acc": 0.5, "acc_stderr": 0.03},
+        "piqa": {"acc": 0.7, "acc_stderr": 0.04},
+        "gsm8k": {"exact_match": 0.3, "exact_match_stderr": 0.12},
+    }
+    result = average(rows)
+    assert result["avg"] == pytest.approx(0.5)
+    assert result["avg_stderr"] == pytest.approx(math.sqrt(0.03**2 + 0.04**2 + 0.12**2) / 3)
+    rows["piqa"]["acc_stderr"] = None
+    assert average(rows)["avg_stderr"] is None
