@@ -21,9 +21,9 @@ from . import __version__
 from .arch import AttentionLayout, layout_of
 from .artifact import LayerStore, assemble, extra_names, layer_entry, layer_tensors
 from .data import calibration_ids, ids_sha256, load_text, tokenize
-from .methods import make_method
+from .methods import Method, make_method
 from .models import load_tokenizer, pick_device, resolve_model
-from .options import METHODS, InputError, parse_ablations, validate_ratio
+from .options import DTYPES, METHODS, InputError, parse_ablations, validate_ratio
 from .pipeline import compress_layers, layer_inputs
 from .weights import (
     ModuleSource,
@@ -33,8 +33,6 @@ from .weights import (
     release,
     skeleton,
 )
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -59,8 +57,7 @@ class CompressOptions:
         self.ablate = parse_ablations(list(self.ablate))
         if self.ablate and self.method != "ftc":
             raise InputError("--ablate applies to --method ftc only")
-        if self.dtype not in DTYPES:
-            raise InputError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+        storage_dtype(self.dtype)
         if self.calib_samples < 1 or self.seq_len < 2 or self.batch_size < 1:
             raise InputError("--calib-samples and --batch-size must be >= 1 and --seq-len >= 2")
         return self
@@ -119,65 +116,102 @@ def compress(
     out_dir = Path(out_dir)
     device = pick_device(options.device)
     weights, tokenizer, source = open_model(options, loaded)
-    config = weights.config
-    layout = layout_of(config)
-    dtype = DTYPES[options.dtype]
+    layout = layout_of(weights.config)
+    dtype = storage_dtype(options.dtype)
     method = make_method(options.method, options.ratio, dtype, options.ablate)
     calib = calibration_batch(tokenizer, options, layout.hidden) if method.needs_data else None
-    description = {"model": source.describe(), "checkpoint_bytes": weights.nbytes, **asdict(options),
-                   "calibration_sha256": None if calib is None else ids_sha256(calib), "format": 1}
-    description.pop("device")  # a run may resume on another device
     temporary = work_dir is None
-    store = LayerStore(work_dir or out_dir.parent / f".{out_dir.name}.work-{os.getpid()}", description)
+    store = LayerStore(work_dir or out_dir.parent / f".{out_dir.name}.work-{os.getpid()}",
+                       work_description(options, source, weights, calib))
     try:
-        model = skeleton(config)
-        dense_params = _parameter_count(model)
-        start = store.finished()
-        stream = None
-        if method.needs_data:
-            embed = materialize_embedding_rows(model, weights, calib, device)
-            stream = layer_inputs(model, layout, calib, options.batch_size, device)
-            release(model, embed)
-            if start:
-                stream.hidden = [stream.keep(h) for h in store.load_stream(start - 1)]
-
-        def checkpoint(result, layer) -> None:
-            prefix = f"{layout.layers_path}.{result.index}"
-            store.save_layer(result.index, layer_tensors(layer, prefix, result.groups, dtype), layer_entry(result),
-                             None if stream is None else stream.hidden)
-            if on_layer is not None:
-                on_layer(result)
-
-        result = compress_layers(model, layout, method, stream, device=device, weights=weights, start=start,
-                                 progress=progress, on_layer=checkpoint)
-        for name in extra_names(weights.names(), layout, config):
-            tensor = weights.get(name)
-            store.save_extra(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
-        entries = store.entries()
-        manifest = {
-            "base_model": {**source.describe(), "model_type": layout.model_type},
-            "method": options.method,
-            "ratio": options.ratio,
-            "options": {**asdict(options), "ablate": list(options.ablate)},
-            "ablations": list(options.ablate),
-            "choices": {"eps": 1e-4, "max_cond": 1e12, "prune_steps": 8, "refits": 2, "anchor": 0.5,
-                        "allocation_grid": "16 x 8 coarse, step-halving refinement"},
-            "calibration": None if calib is None else {
-                "source": options.calib, "split": "validation", "samples": options.calib_samples,
-                "seq_len": options.seq_len, "tokens": calib.numel(), "seed": options.seed,
-                "sha256": ids_sha256(calib)},
-            "storage": storage_summary(layout, entries, options.ratio, dtype, dense_params),
-            "resumed_from_layer": start,
-            "compress_seconds": round(result.seconds, 3),
-            "device": str(device),
-            "versions": library_versions(),
-        }
-        manifest = assemble(out_dir, store, config, tokenizer, manifest, overwrite)
+        run = compress_to_store(store, weights, layout, method, calib, options, device,
+                                progress=progress, on_layer=on_layer)
+        manifest = build_manifest(options, method, source, layout, calib, store.entries(), run, device)
+        manifest = assemble(out_dir, store, weights.config, tokenizer, manifest, overwrite)
     finally:
         if temporary:
             shutil.rmtree(store.folder, ignore_errors=True)
     manifest["total_seconds"] = round(time.perf_counter() - t0, 3)
     return manifest
+
+
+def storage_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a storage dtype name from `ftc.options.DTYPES` (the one list of them)."""
+    if name not in DTYPES:
+        raise InputError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def work_description(options: CompressOptions, source, weights, calib: torch.Tensor | None) -> dict:
+    """What identifies a run's checkpoints: a work folder is resumed only for the same description."""
+    description = {"model": source.describe(), "checkpoint_bytes": weights.nbytes, **asdict(options),
+                   "calibration_sha256": None if calib is None else ids_sha256(calib), "format": 1}
+    description.pop("device")  # a run may resume on another device
+    return description
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """What `compress_to_store` reports for the manifest."""
+
+    resumed_from_layer: int
+    seconds: float
+    dense_params: int
+
+
+def compress_to_store(store: LayerStore, weights, layout: AttentionLayout, method: Method,
+                      calib: torch.Tensor | None, options: CompressOptions, device: torch.device, *,
+                      progress: bool = True, on_layer=None) -> LayerRun:
+    """Compress every unfinished layer into `store` (resuming after the last finished one), then
+    save the weights outside the attention layers, in the storage dtype where floating point."""
+    config = weights.config
+    dtype = method.storage_dtype
+    model = skeleton(config)
+    dense_params = _parameter_count(model)
+    start = store.finished()
+    stream = None
+    if method.needs_data:
+        embed = materialize_embedding_rows(model, weights, calib, device)
+        stream = layer_inputs(model, layout, calib, options.batch_size, device)
+        release(model, embed)
+        if start:
+            stream.hidden = [stream.keep(h) for h in store.load_stream(start - 1)]
+
+    def checkpoint(result, layer) -> None:
+        prefix = f"{layout.layers_path}.{result.index}"
+        store.save_layer(result.index, layer_tensors(layer, prefix, result.groups, dtype), layer_entry(result),
+                         None if stream is None else stream.hidden)
+        if on_layer is not None:
+            on_layer(result)
+
+    result = compress_layers(model, layout, method, stream, device=device, weights=weights, start=start,
+                             progress=progress, on_layer=checkpoint)
+    for name in extra_names(weights.names(), layout, config):
+        tensor = weights.get(name)
+        store.save_extra(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+    return LayerRun(start, result.seconds, dense_params)
+
+
+def build_manifest(options: CompressOptions, method: Method, source, layout: AttentionLayout,
+                   calib: torch.Tensor | None, entries: list[dict], run: LayerRun, device: torch.device) -> dict:
+    """The artifact's manifest (docs/artifact.md): what was asked, what the method fixed, what was stored."""
+    return {
+        "base_model": {**source.describe(), "model_type": layout.model_type},
+        "method": options.method,
+        "ratio": options.ratio,
+        "options": {**asdict(options), "ablate": list(options.ablate)},
+        "ablations": list(options.ablate),
+        "choices": method.choices(),
+        "calibration": None if calib is None else {
+            "source": options.calib, "split": "validation", "samples": options.calib_samples,
+            "seq_len": options.seq_len, "tokens": calib.numel(), "seed": options.seed,
+            "sha256": ids_sha256(calib)},
+        "storage": storage_summary(layout, entries, options.ratio, method.storage_dtype, run.dense_params),
+        "resumed_from_layer": run.resumed_from_layer,
+        "compress_seconds": round(run.seconds, 3),
+        "device": str(device),
+        "versions": library_versions(),
+    }
 
 
 def storage_summary(layout: AttentionLayout, entries: list[dict], ratio: float, dtype: torch.dtype,

@@ -33,8 +33,12 @@ def whitened_svd(w: torch.Tensor, whitening: Whitening, rank: int) -> tuple[torc
     return whitening.unapply(a), b
 
 
+ASVD_ALPHA = 0.5
+"""ASVD's exponent on the per-channel mean |x| that scales the input channels (§11)."""
+
+
 def scaled_svd(
-    w: torch.Tensor, abs_mean: torch.Tensor, rank: int, alpha: float = 0.5
+    w: torch.Tensor, abs_mean: torch.Tensor, rank: int, alpha: float = ASVD_ALPHA
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ASVD: scale input channels by `mean|x|^alpha`, truncate, undo the scaling on `A`."""
     scale = abs_mean.to(WORK_DTYPE).clamp_min(1e-6) ** alpha

@@ -3,21 +3,33 @@
 A method sees one layer at a time: the original projection weights (`(in, out)` layout), the
 statistics the pipeline gathered on its stream, and the keep ratio. It returns stored groups
 (spec + tensors, see `stored.py`) plus a report for the manifest. No model objects, no I/O.
+
+Adding a method: list its name and description in `ftc.options.METHOD_DESCRIPTIONS`, then write
+a `Method` subclass here decorated with `@register("<name>")` that implements `qkv`, `o` and, if
+it has tunable constants, `choices()` (read from the module constants that define them, so the
+manifest cannot drift from the code). Nothing else needs to change: `make_method`, the CLI and the
+service find it through the registry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 import torch
 
 from .arch import AttentionLayout
-from .lowrank import budget_rank, calibrated_wo, scaled_svd, truncated_svd, whitened_svd
-from .metric import Moments, Whitening
+from .lowrank import ASVD_ALPHA, budget_rank, calibrated_wo, scaled_svd, truncated_svd, whitened_svd
+from .metric import DEFAULT_EPS, MAX_COND, MAX_EPS, Moments, Whitening
+from .options import METHODS
 from .stored import lowrank_tensors, tucker_tensors
-from .tucker import compress_tensor, head_concat, head_slices
+from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, compress_tensor, head_concat, head_slices
 
 Group = tuple[dict, dict[str, torch.Tensor]]
+
+ANCHOR = 0.5
+"""Weight of the original `W_O` in FTC's calibrated `W_O` target (§8); 0 under `no_anchor`."""
 
 
 @dataclass
@@ -40,6 +52,7 @@ class Method:
     keep_ratio: float
     storage_dtype: torch.dtype = torch.float16
     ablations: frozenset[str] = field(default_factory=frozenset)
+    name: ClassVar[str] = ""  # set by @register
     stream = "student"  # which hidden-state stream feeds the statistics (§3)
     needs_data = True
     needs_student_context = False
@@ -49,6 +62,10 @@ class Method:
 
     def o(self, w_o: torch.Tensor, ctx: ContextStats | None, layout: AttentionLayout):
         raise NotImplementedError
+
+    def choices(self) -> dict:
+        """The fixed constants this method ran with, for the manifest (none for the base class)."""
+        return {}
 
     def _lowrank(self, proj: str, a: torch.Tensor, b: torch.Tensor) -> Group:
         return {"kind": "lowrank", "proj": [proj], "rank": a.shape[1]}, lowrank_tensors(
@@ -63,6 +80,37 @@ class Method:
         return groups, {"ranks": {g[0]["proj"][0]: g[0]["rank"] for g in groups}}
 
 
+M = TypeVar("M", bound=type[Method])
+
+METHOD_CLASSES: dict[str, type[Method]] = {}
+"""Method classes by name, filled by `@register`; the names themselves live in `ftc.options`."""
+
+
+def register(name: str) -> Callable[[M], M]:
+    """Bind a `Method` subclass to `name`, which must be listed in `ftc.options.METHODS`.
+
+    Refusing unlisted names keeps the torch-free list (read by the API and the CLI) and the
+    classes in step: a class cannot exist without its name being accepted in requests.
+    """
+
+    def bind(cls: M) -> M:
+        if name not in METHODS:
+            raise ValueError(f"method {name!r} is not in ftc.options.METHOD_DESCRIPTIONS; add it there first")
+        if name in METHOD_CLASSES:
+            raise ValueError(f"method {name!r} is already bound to {METHOD_CLASSES[name].__name__}")
+        cls.name = name
+        METHOD_CLASSES[name] = cls
+        return cls
+
+    return bind
+
+
+def whitening_choices() -> dict:
+    """The guard constants of the Cholesky whitening (§3), shared by every whitened method."""
+    return {"eps": DEFAULT_EPS, "max_cond": MAX_COND, "max_eps": MAX_EPS}
+
+
+@register("svd")
 class SVD(Method):
     """Plain truncated SVD of each projection (§11 `svd`)."""
 
@@ -77,10 +125,14 @@ class SVD(Method):
         return self._lowrank("o", *truncated_svd(w_o, rank)), {"r_o": rank}
 
 
+@register("asvd")
 class ASVD(Method):
-    """Activation-aware SVD: input channels scaled by `mean|x|^0.5` of the original model (§11)."""
+    """Activation-aware SVD: input channels scaled by `mean|x|^alpha` of the original model (§11)."""
 
     stream = "teacher"
+
+    def choices(self) -> dict:
+        return {"alpha": ASVD_ALPHA}
 
     def qkv(self, weights, x, layout):
         return self._per_matrix(weights, lambda w, r: scaled_svd(w, x.abs_mean, r))
@@ -90,10 +142,14 @@ class ASVD(Method):
         return self._lowrank("o", *scaled_svd(w_o, ctx.teacher.abs_mean, rank)), {"r_o": rank}
 
 
+@register("svd_llm")
 class SVDLLM(Method):
     """SVD-LLM: Cholesky whitening of the original model's input Gram, per matrix (§11)."""
 
     stream = "teacher"
+
+    def choices(self) -> dict:
+        return whitening_choices()
 
     def qkv(self, weights, x, layout):
         whitening = Whitening.from_gram(x.gram)
@@ -106,6 +162,7 @@ class SVDLLM(Method):
         return self._lowrank("o", *whitened_svd(w_o, whitening, rank)), {"r_o": rank, "eps_o": whitening.eps}
 
 
+@register("ftc")
 class FTC(Method):
     """The full method: joint head-concat Tucker for Q/K/V (§2-§7), calibrated W_O (§8)."""
 
@@ -120,6 +177,15 @@ class FTC(Method):
         ablation silently doing nothing.
         """
         return "teacher" if "no_sequential" in self.ablations else "student"
+
+    @property
+    def anchor(self) -> float:
+        return 0.0 if "no_anchor" in self.ablations else ANCHOR
+
+    def choices(self) -> dict:
+        grid = f"{GRID_POINTS} x {GRID_POINTS // 2} coarse, step-halving refinement"
+        return {**whitening_choices(), "prune_steps": PRUNE_STEPS, "refits": REFITS, "anchor": self.anchor,
+                "allocation_grid": "fixed ranks (ablation)" if "fixed_ranks" in self.ablations else grid}
 
     def _tucker(self, tensor: torch.Tensor, x: Moments, proj: list[str], heads: list[int], budget: int):
         whitening = Whitening.from_gram(None if "no_whiten" in self.ablations else x.gram)
@@ -154,7 +220,7 @@ class FTC(Method):
 
     def o(self, w_o, ctx, layout):
         rank = budget_rank(*w_o.shape, self.keep_ratio)
-        anchor = 0.0 if "no_anchor" in self.ablations else 0.5
+        anchor = self.anchor
         target = w_o
         if "no_wo_target" not in self.ablations:
             n = ctx.student.count
@@ -165,6 +231,7 @@ class FTC(Method):
         return self._lowrank("o", a, b), {"r_o": rank, "eps_o": whitening.eps, "anchor": anchor}
 
 
+@register("per_matrix")
 class PerMatrix(FTC):
     """Matched per-matrix control: FTC's metric and W_O, but Q, K and V each compressed alone."""
 
@@ -183,15 +250,6 @@ class PerMatrix(FTC):
                 "error_refit": report.error_refit,
             }
         return groups, reports
-
-
-METHOD_CLASSES: dict[str, type[Method]] = {
-    "ftc": FTC,
-    "svd": SVD,
-    "asvd": ASVD,
-    "svd_llm": SVDLLM,
-    "per_matrix": PerMatrix,
-}
 
 
 def make_method(

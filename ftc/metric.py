@@ -14,6 +14,13 @@ import torch
 WORK_DTYPE = torch.float64
 """Precision of every factorisation: Gram matrices of LLM activations are badly conditioned."""
 
+DEFAULT_EPS = 1e-4
+"""Starting damping of the guard, relative to `mean(diag(C))` (§3)."""
+MAX_COND = 1e12
+"""Largest accepted condition number of the damped Gram before `eps` is raised tenfold (§3)."""
+MAX_EPS = 1.0
+"""Damping at which the guard gives up and the layer falls back to the identity metric (§3)."""
+
 
 @dataclass
 class Moments:
@@ -57,7 +64,7 @@ def damp(gram: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def guarded_cholesky(
-    gram: torch.Tensor, eps: float = 1e-4, max_cond: float = 1e12, max_eps: float = 1.0
+    gram: torch.Tensor, eps: float = DEFAULT_EPS, max_cond: float = MAX_COND, max_eps: float = MAX_EPS
 ) -> tuple[torch.Tensor | None, float | None]:
     """Lower-triangular `R` with `damp(C, eps) = R R^T`, escalating `eps` tenfold on failure (§3).
 
@@ -102,7 +109,7 @@ class Whitening:
     eps: float | None
 
     @classmethod
-    def from_gram(cls, gram: torch.Tensor | None, eps: float = 1e-4) -> Whitening:
+    def from_gram(cls, gram: torch.Tensor | None, eps: float = DEFAULT_EPS) -> Whitening:
         if gram is None:
             return cls(None, None)
         chol, used = guarded_cholesky(gram, eps)

@@ -1,6 +1,12 @@
-"""Names shared by the library, the CLI and the job service.
+"""Names shared by the library, the CLI and the job service: the one registry of each choice.
 
 This module imports nothing heavy so the API process can validate requests without torch.
+
+Adding a compression method is a one-place change: add its name and one-line description to
+`METHOD_DESCRIPTIONS` below, then write its class in `ftc/methods.py` under
+`@register("<name>")` (the decorator refuses a name that is not listed here, and a test checks
+that every listed name has a class). The CLI choices, the REST schema and the sweep schema all
+read `METHODS`, so nothing else changes.
 """
 
 from __future__ import annotations
@@ -10,8 +16,16 @@ class InputError(ValueError):
     """A problem with what the user asked for; the message says what to change."""
 
 
-METHODS: tuple[str, ...] = ("ftc", "svd", "asvd", "svd_llm", "per_matrix")
-"""Compression methods: FTC (ftc-method.md §1-§9) and the baselines of §11."""
+METHOD_DESCRIPTIONS: dict[str, str] = {
+    "ftc": "FTC: joint head-concat Tucker for Q/K/V, calibrated W_O (ftc-method.md §1-§9)",
+    "svd": "plain truncated SVD of each projection (§11)",
+    "asvd": "activation-aware SVD, input channels scaled by mean|x|^0.5 (§11)",
+    "svd_llm": "SVD-LLM: Cholesky-whitened SVD of each projection (§11)",
+    "per_matrix": "FTC's metric and W_O with Q, K and V each compressed alone (control)",
+}
+"""Compression methods by name: FTC and the baselines of ftc-method.md §11."""
+
+METHODS: tuple[str, ...] = tuple(METHOD_DESCRIPTIONS)
 
 ABLATIONS: tuple[str, ...] = (
     "no_whiten",
@@ -26,6 +40,8 @@ ABLATIONS: tuple[str, ...] = (
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
+"""Storage dtypes of the compressed factors (the unit of the budget); each is the name of the
+`torch` dtype it stands for, so `ftc.compress.storage_dtype` maps it without a second table."""
 MODEL_ALIASES: tuple[str, ...] = ("smollm2-135m",)
 DATASETS: tuple[str, ...] = ("wikitext2", "ptb")
 """Built-in dataset names; a path to a .txt or .jsonl file is accepted too."""

@@ -18,6 +18,13 @@ from .metric import WORK_DTYPE, Whitening
 MASK_UNIT_BITS = 16
 """The support mask is counted in units of one 16-bit stored value (§1)."""
 
+GRID_POINTS = 16
+"""Coarse allocation grid: this many `r1` values by half as many `r2` values, then refined (§6)."""
+PRUNE_STEPS = 8
+"""Steps of the geometric schedule from the dense core down to `K` entries (§7)."""
+REFITS = 2
+"""Alternating factor/core refits after each pruning step (§7)."""
+
 
 # ---------------------------------------------------------------------------------------------
 # §2 the head-concat tensor
@@ -166,7 +173,7 @@ def _grid(limit: int, points: int) -> list[int]:
 
 
 def allocate(
-    core: torch.Tensor, total_energy: float, budget: int, d: int, dh: int, grid_points: int = 16
+    core: torch.Tensor, total_energy: float, budget: int, d: int, dh: int, grid_points: int = GRID_POINTS
 ) -> Allocation:
     """Pick `(r1, r2, K)` with the least predicted error under the budget (§6).
 
@@ -250,8 +257,8 @@ def prune_refit(
     u1: torch.Tensor,
     u2: torch.Tensor,
     kept: int,
-    steps: int = 8,
-    refits: int = 2,
+    steps: int = PRUNE_STEPS,
+    refits: int = REFITS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the dense core at the chosen ranks down to `kept` entries on a geometric schedule (§7).
 
@@ -320,8 +327,8 @@ def compress_tensor(
     *,
     balance: bool = True,
     coupled: bool = True,
-    steps: int = 8,
-    refits: int = 2,
+    steps: int = PRUNE_STEPS,
+    refits: int = REFITS,
 ) -> tuple[TuckerFactors, TuckerReport]:
     """Whiten, balance, allocate, prune and refit, then undo balancing and whitening (§3-§7).
 

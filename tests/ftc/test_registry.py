@@ -1,0 +1,68 @@
+"""One registry per concept: method names, method classes, storage dtypes and manifest choices."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from ftc import lowrank, metric, tucker
+from ftc.compress import storage_dtype
+from ftc.methods import ANCHOR, METHOD_CLASSES, Method, make_method, register
+from ftc.options import DTYPES, METHOD_DESCRIPTIONS, METHODS, InputError
+
+
+def default(function, parameter: str):
+    return inspect.signature(function).parameters[parameter].default
+
+
+def test_every_listed_method_has_exactly_its_class():
+    assert set(METHOD_CLASSES) == set(METHODS)
+    for name, cls in METHOD_CLASSES.items():
+        assert cls.name == name
+        assert make_method(name, 0.5, torch.float32).name == name
+    assert all(METHOD_DESCRIPTIONS[name] for name in METHODS)
+
+
+def test_register_refuses_a_name_missing_from_options():
+    with pytest.raises(ValueError, match="METHOD_DESCRIPTIONS"):
+        register("not_a_method")(type("Stray", (Method,), {}))
+    assert "not_a_method" not in METHOD_CLASSES
+
+
+def test_register_refuses_a_second_class_for_a_name():
+    with pytest.raises(ValueError, match="already bound"):
+        register("svd")(type("Again", (Method,), {}))
+    assert METHOD_CLASSES["svd"].__name__ == "SVD"
+
+
+def test_storage_dtypes_map_by_name_and_reject_unknown():
+    for name in DTYPES:
+        assert storage_dtype(name) is getattr(torch, name)
+        assert storage_dtype(name).is_floating_point
+    with pytest.raises(InputError, match="float16"):
+        storage_dtype("int8")
+
+
+def test_choices_are_the_defaults_the_code_runs_with():
+    """The manifest's `choices` must equal the defaults of the functions that use them."""
+    ftc = make_method("ftc", 0.5, torch.float16).choices()
+    assert ftc["eps"] == default(metric.guarded_cholesky, "eps") == default(metric.Whitening.from_gram, "eps")
+    assert ftc["max_cond"] == default(metric.guarded_cholesky, "max_cond")
+    assert ftc["max_eps"] == default(metric.guarded_cholesky, "max_eps")
+    assert ftc["prune_steps"] == default(tucker.compress_tensor, "steps") == default(tucker.prune_refit, "steps")
+    assert ftc["refits"] == default(tucker.compress_tensor, "refits") == default(tucker.prune_refit, "refits")
+    points = default(tucker.allocate, "grid_points")
+    assert ftc["allocation_grid"].startswith(f"{points} x {points // 2} ")
+    assert ftc["anchor"] == ANCHOR
+    assert make_method("svd_llm", 0.5, torch.float16).choices() == {
+        k: ftc[k] for k in ("eps", "max_cond", "max_eps")}
+    assert make_method("asvd", 0.5, torch.float16).choices() == {"alpha": default(lowrank.scaled_svd, "alpha")}
+    assert make_method("svd", 0.5, torch.float16).choices() == {}
+
+
+def test_choices_follow_the_ablations():
+    ablated = make_method("ftc", 0.5, torch.float16, ("no_anchor", "fixed_ranks")).choices()
+    assert ablated["anchor"] == 0.0
+    assert "fixed ranks" in ablated["allocation_grid"]
