@@ -148,3 +148,23 @@ def tiny_folder(tmp_path_factory, smollm2_tokenizer):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory, tiny_folder):
+    """`make(layout, ratio=0.4, dtype="float32")` -> an artifact folder compressed by `ftc.compress`."""
+    from ftc.compress import CompressOptions, compress
+
+    made: dict[tuple, Path] = {}
+
+    def make(layout: str = "gqa", ratio: float = 0.4, dtype: str = "float32") -> Path:
+        key = (layout, ratio, dtype)
+        if key not in made:
+            out = tmp_path_factory.mktemp("artifact") / f"{layout}-{ratio}-{dtype}"
+            options = CompressOptions(model=str(tiny_folder(layout)), ratio=ratio, calib_samples=4, seq_len=64,
+                                      dtype=dtype, device="cpu", batch_size=4)
+            compress(options, out, progress=False)
+            made[key] = out
+        return made[key]
+
+    return make
