@@ -142,12 +142,6 @@ def top_k_mask(core: torch.Tensor, kept: int) -> torch.Tensor:
     return mask.view_as(core)
 
 
-def retained_energy(core: torch.Tensor, r1: int, r2: int, kept: int) -> float:
-    """Sum of the `kept` largest squared entries of `G[:, :r1, :r2]` (the definition)."""
-    block = core[:, :r1, :r2].pow(2).flatten()
-    return float(torch.topk(block, min(kept, block.numel())).values.sum())
-
-
 class _EnergyTable:
     """Top-K retained energy of `G[:, :r1, :r2]` for many `(r1, K)` at one `r2`.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Literal
 
 from pydantic import Field
@@ -50,9 +49,3 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="text: `time LEVEL logger: message` lines; json: one JSON object a line (service/logs.py)."
     )
-
-
-@lru_cache(maxsize=1)
-def get_settings() -> Settings:
-    """The process-wide settings, parsed on first use."""
-    return Settings()
