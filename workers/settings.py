@@ -38,6 +38,11 @@ class WorkerSettings(Settings):
         description="Port of the worker's Prometheus endpoint (/metrics), served by the `ftc worker` process for "
         "its actors on this node; 0 serves none.",
     )
+    actor_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='Custom Ray resources each worker actor needs, as JSON (e.g. {"ftc_worker_node": 1}): the '
+        "actors then run only on nodes started with them (`ray start --resources`), e.g. one node pool.",
+    )
 
     @property
     def heartbeat_seconds(self) -> float:

@@ -55,12 +55,13 @@ def place(settings: WorkerSettings, num_workers: int | None, cluster_gpus: float
     device = settings.device
     if device == "auto":
         device = "cuda" if cluster_gpus >= 1 else "cpu"
+    custom = {"resources": dict(settings.actor_resources)} if settings.actor_resources else {}
     if device == "cuda":
         if num_workers is None and cluster_gpus < 1:
             raise PlacementError("the Ray cluster has no GPU; use --device cpu, or give --num-workers to wait for GPUs")
         count = num_workers or int(cluster_gpus)
-        return Placement(count, "cuda", {"num_gpus": 1, "num_cpus": settings.cpus_per_worker})
-    return Placement(num_workers or 1, "cpu", {"num_gpus": 0, "num_cpus": settings.cpus_per_worker})
+        return Placement(count, "cuda", {"num_gpus": 1, "num_cpus": settings.cpus_per_worker, **custom})
+    return Placement(num_workers or 1, "cpu", {"num_gpus": 0, "num_cpus": settings.cpus_per_worker, **custom})
 
 
 def connect(settings: WorkerSettings, num_workers: int | None, wait_seconds: float = 120.0) -> None:
