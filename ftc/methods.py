@@ -56,6 +56,7 @@ class Method:
     stream = "student"  # which hidden-state stream feeds the statistics (§3)
     needs_data = True
     needs_student_context = False
+    needs_abs_mean = False  # per-channel mean |x| is gathered only for the methods that read it
 
     def qkv(self, weights: dict[str, torch.Tensor], x: Moments | None, layout: AttentionLayout):
         raise NotImplementedError
@@ -130,6 +131,7 @@ class ASVD(Method):
     """Activation-aware SVD: input channels scaled by `mean|x|^alpha` of the original model (§11)."""
 
     stream = "teacher"
+    needs_abs_mean = True
 
     def choices(self) -> dict:
         return {"alpha": ASVD_ALPHA}

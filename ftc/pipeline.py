@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from .arch import AttentionLayout, decoder_layers, get_module, set_module
 from .methods import ContextStats, Group, Method
-from .metric import WORK_DTYPE, Moments
+from .metric import WORK_DTYPE, Moments, accumulate_product
 from .stored import build_modules
 from .weights import WeightSource, materialize, release
 
@@ -134,35 +134,81 @@ def swapped(layer: nn.Module, layout: AttentionLayout, modules: dict[str, nn.Mod
             set_module(layer, names[p], m)
 
 
+class _Replay(nn.Module):
+    """Stands in for a layer's attention block: `out_proj(A)` for a context `A` already computed.
+
+    The statistics pass has run the attention (softmax included) on these very inputs with these
+    very Q/K/V modules and kept its context `A`, the input of the output projection; propagation
+    then only needs the output projection, the residual and the MLP. Every supported family's
+    attention block returns `(out_proj(A), attention weights)`.
+    """
+
+    def __init__(self, out_proj: nn.Module, context: torch.Tensor) -> None:
+        super().__init__()
+        self.out_proj = out_proj
+        self.context = context
+
+    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        return self.out_proj(self.context), None
+
+
 @torch.no_grad()
-def propagate(layer: nn.Module, stream: Stream) -> None:
-    """Advance the stream through `layer` in place (per batch, results kept where they were)."""
+def propagate(
+    layer: nn.Module, stream: Stream, layout: AttentionLayout | None = None, contexts: list | None = None
+) -> None:
+    """Advance the stream through `layer` in place (per batch, results kept where they were).
+
+    With `contexts` (one attention context per batch, from `context_stats` on the same stream and
+    the same Q/K/V), the attention is not recomputed: see `_Replay`. Each context is dropped once used.
+    """
+    block = None if contexts is None else layout.o.rpartition(".")[0]
     for i, (h, kw) in enumerate(stream.batches()):
-        stream.hidden[i] = stream.keep(_layer_output(layer(h, **kw)))
+        if contexts is None:
+            out = layer(h, **kw)
+        else:
+            attention = get_module(layer, block)
+            set_module(layer, block, _Replay(get_module(layer, layout.o), contexts[i].to(stream.device)))
+            contexts[i] = None
+            try:
+                out = layer(h, **kw)
+            finally:
+                set_module(layer, block, attention)
+        stream.hidden[i] = stream.keep(_layer_output(out))
 
 
 @torch.no_grad()
 def context_stats(
-    layer: nn.Module, layout: AttentionLayout, stream: Stream, compressed_qkv: dict[str, nn.Module] | None
-) -> ContextStats:
-    """`A_t` (original Q/K/V) and, if asked, `A_s` (compressed Q/K/V) on the same inputs (§8)."""
+    layer: nn.Module,
+    layout: AttentionLayout,
+    stream: Stream,
+    compressed_qkv: dict[str, nn.Module] | None,
+    absolute: bool = False,
+    keep: str | None = None,
+) -> tuple[ContextStats, list[torch.Tensor] | None]:
+    """`A_t` (original Q/K/V) and, if asked, `A_s` (compressed Q/K/V) on the same inputs (§8).
+
+    `keep` ("teacher" or "student") also returns that context per batch, for `propagate` to
+    reuse instead of running the attention a third time.
+    """
     width = layout.heads * layout.head_dim
-    stats = ContextStats(teacher=Moments(width, stream.device))
+    stats = ContextStats(teacher=Moments(width, stream.device, absolute))
     if compressed_qkv is not None:
-        stats.student = Moments(width, stream.device)
+        stats.student = Moments(width, stream.device, absolute)
         stats.cross = torch.zeros(width, width, dtype=WORK_DTYPE, device=stream.device)
+    kept: list[torch.Tensor] | None = None if keep is None else []
     for h, kw in stream.batches():
-        # float64 rows made once per batch and shared by the Gram updates: they are the largest transients
-        a_t = capture_input(layer, layout.o, h, kw).reshape(-1, width).to(WORK_DTYPE)
+        a_t = capture_input(layer, layout.o, h, kw)
         stats.teacher.update(a_t)
+        a_s = None
         if compressed_qkv is not None:
             with swapped(layer, layout, compressed_qkv):
-                a_s = capture_input(layer, layout.o, h, kw).reshape(-1, width).to(WORK_DTYPE)
+                a_s = capture_input(layer, layout.o, h, kw)
             stats.student.update(a_s)
-            stats.cross.addmm_(a_s.T, a_t)
-            del a_s
-        del a_t
-    return stats
+            accumulate_product(stats.cross, a_s.reshape(-1, width), a_t.reshape(-1, width))
+        if kept is not None:
+            kept.append(stream.keep(a_t if keep == "teacher" else a_s))
+        del a_s, a_t
+    return stats, kept
 
 
 def _weights(layer: nn.Module, layout: AttentionLayout) -> tuple[dict, dict]:
@@ -199,18 +245,21 @@ def compress_layer(
     weights, biases = _weights(layer, layout)
     x = None
     if method.needs_data:
-        x = Moments(layout.hidden, stream.device)
+        x = Moments(layout.hidden, stream.device, method.needs_abs_mean)
         for h, kw in stream.batches():
             x.update(capture_input(layer, layout.q, h, kw))
     phases.lap("statistics")
     qkv_groups, qkv_report = method.qkv({p: weights[p] for p in "qkv"}, x, layout)
     qkv_modules = _modules(qkv_groups, biases, layout, compute_dtype)
     phases.lap("qkv")
-    ctx = None
+    ctx = contexts = None
     if trim:
         trim_host_memory()
     if method.needs_data:
-        ctx = context_stats(layer, layout, stream, qkv_modules if method.needs_student_context else None)
+        # the context of the stream's own Q/K/V is kept for propagation when the pass computes it
+        replay = method.stream if method.stream == "teacher" or method.needs_student_context else None
+        ctx, contexts = context_stats(layer, layout, stream, qkv_modules if method.needs_student_context else None,
+                                      method.needs_abs_mean, replay if stream is not None else None)
     phases.lap("statistics")
     o_group, o_report = method.o(weights["o"], ctx, layout)
     replacements = {**qkv_modules, **_modules([o_group], biases, layout, compute_dtype)}
@@ -219,11 +268,11 @@ def compress_layer(
         trim_host_memory()
     phases.lap("o")
     if stream is not None and method.stream == "teacher":
-        propagate(layer, stream)
+        propagate(layer, stream, layout, contexts)
     for p, m in replacements.items():
         set_module(layer, layout.projections[p], m.to(weights[p].device))
     if stream is not None and method.stream == "student":
-        propagate(layer, stream)
+        propagate(layer, stream, layout, contexts)
     phases.lap("propagate")
     return [*qkv_groups, o_group], {**qkv_report, **o_report, "phase_seconds": phases.seconds()}
 

@@ -155,8 +155,35 @@ def skeleton(config) -> nn.Module:
     return model.eval()
 
 
+UPCAST_ROWS = 1024
+"""Output rows of a 16-bit weight converted to the compute dtype at a time (`BlockwiseLinear`)."""
+
+
+class BlockwiseLinear(nn.Linear):
+    """A Linear whose weight stays in its 16-bit checkpoint dtype between uses.
+
+    The forward converts `UPCAST_ROWS` output rows at a time to the input's dtype, so the layer
+    being compressed costs its checkpoint size in memory (half of float32), the largest transient
+    is one block, and every product is the float32 product of the exactly converted weights.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == x.dtype:
+            return super().forward(x)
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        for start in range(0, self.out_features, UPCAST_ROWS):
+            stop = start + UPCAST_ROWS
+            bias = None if self.bias is None else self.bias[start:stop].to(x.dtype)
+            out[..., start:stop] = nn.functional.linear(x, self.weight[start:stop].to(x.dtype), bias)
+        return out
+
+
 def materialize(model: nn.Module, module_name: str, weights: WeightSource, device, dtype: torch.dtype) -> None:
-    """Load every parameter of `module_name` from the source onto `device` (floats as `dtype`)."""
+    """Load every parameter of `module_name` from the source onto `device` (floats as `dtype`).
+
+    Linear weights stored in a 16-bit dtype narrower than `dtype` stay in it, their modules
+    computing block by block through `BlockwiseLinear`: exact conversion, half the memory.
+    """
     module = model.get_submodule(module_name)
     available = set(weights.names())
     embed_name = embedding_weight_name(model)
@@ -165,10 +192,15 @@ def materialize(model: nn.Module, module_name: str, weights: WeightSource, devic
         if full not in available and full == "lm_head.weight":
             full = embed_name
         tensor = weights.get(full)
-        tensor = tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
         owner, _, leaf = name.rpartition(".")
         target = module.get_submodule(owner) if owner else module
-        setattr(target, leaf, nn.Parameter(tensor, requires_grad=False))
+        keep = (isinstance(target, nn.Linear) and leaf == "weight" and tensor.itemsize == 2
+                and tensor.is_floating_point() and torch.finfo(dtype).bits > 16)
+        if keep:
+            target.__class__ = BlockwiseLinear  # same state, blockwise forward
+        if tensor.is_floating_point() and not keep:
+            tensor = tensor.to(device, dtype)
+        setattr(target, leaf, nn.Parameter(tensor.to(device), requires_grad=False))
         del param
 
 

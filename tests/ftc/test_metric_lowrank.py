@@ -19,10 +19,10 @@ def _activations(n: int = 400, d: int = 24) -> torch.Tensor:
 
 def test_moments_match_direct_computation():
     x = _activations()
-    m = Moments(x.shape[1])
+    m = Moments(x.shape[1], absolute=True)
     for chunk in x.split(64):
         m.update(chunk)
-    torch.testing.assert_close(m.gram, x.T @ x / x.shape[0])
+    torch.testing.assert_close(m.gram, x.T @ x / x.shape[0], rtol=1e-5, atol=1e-7)  # float32 products
     torch.testing.assert_close(m.abs_mean, x.abs().mean(0))
 
 
@@ -81,7 +81,7 @@ def test_whitened_svd_minimises_the_activation_weighted_error():
 def test_scaled_svd_is_exact_at_full_rank_and_budget_rank_fits():
     w = torch.randn(16, 8, dtype=D)
     a, b = scaled_svd(w, torch.rand(16, dtype=D) + 0.1, 8)
-    torch.testing.assert_close(a @ b, w)
+    torch.testing.assert_close(a @ b, w, rtol=1e-5, atol=1e-5)  # the SVD runs in float32
     for rows, cols, rho in [(576, 576, 0.2), (576, 192, 0.4), (10, 3, 0.01)]:
         r = budget_rank(rows, cols, rho)
         assert r >= 1 and (r == 1 or r * (rows + cols) <= rho * rows * cols)

@@ -1,0 +1,145 @@
+"""The fast forms of the Tucker and metric numerics against the textbook forms they replace.
+
+Each test computes one quantity both ways: the way the method text defines it (full SVDs,
+batched products summed over slices, float64 Grams) and the way the library computes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ftc.metric import Moments, Whitening
+from ftc.tucker import (
+    hosvd,
+    mode1_unfold,
+    mode2_unfold,
+    polar,
+    project_core,
+    refit,
+    top_k_mask,
+    whiten_and_balance,
+)
+
+D = torch.float64
+
+
+def _tensor(slices=7, d=40, dh=8, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(d, 12, dtype=D, generator=g)
+    structured = torch.stack([shared @ torch.randn(12, dh, dtype=D, generator=g) for _ in range(slices)])
+    return structured + 0.05 * torch.randn(slices, d, dh, dtype=D, generator=g)
+
+
+def _projector(u: torch.Tensor, rank: int) -> torch.Tensor:
+    return u[:, :rank] @ u[:, :rank].T
+
+
+def test_eigh_hosvd_spans_the_svd_hosvd_subspaces_at_every_rank():
+    t = _tensor()
+    u1, u2, core = hosvd(t)
+    s1 = torch.linalg.svd(mode1_unfold(t), full_matrices=False)
+    s2 = torch.linalg.svd(mode2_unfold(t), full_matrices=False)
+    assert u1.shape == s1.U.shape and u2.shape == s2.U.shape
+    for r in (1, 5, 12, 30, 40):
+        torch.testing.assert_close(_projector(u1, r), _projector(s1.U, r))
+    for r in (1, 3, 8):
+        torch.testing.assert_close(_projector(u2, r), _projector(s2.U, r))
+    # the core's mode energies are the squared singular values, largest first
+    torch.testing.assert_close(core.pow(2).sum((0, 2)), s1.S.pow(2))
+    torch.testing.assert_close(core.pow(2).sum((0, 1)), s2.S.pow(2))
+
+
+def test_project_core_is_the_definition():
+    t = _tensor()
+    g = torch.Generator().manual_seed(1)
+    u1 = torch.linalg.qr(torch.randn(40, 9, dtype=D, generator=g))[0]
+    u2 = torch.linalg.qr(torch.randn(8, 5, dtype=D, generator=g))[0]
+    torch.testing.assert_close(project_core(t, u1, u2), u1.T @ t @ u2)
+
+
+def _polar_svd(m: torch.Tensor) -> torch.Tensor:
+    p, _, qh = torch.linalg.svd(m, full_matrices=False)
+    return p @ qh
+
+
+def test_polar_from_the_small_side_equals_the_svd_polar_factor():
+    g = torch.Generator().manual_seed(2)
+    for rows, cols, dtype in [(50, 7, D), (300, 40, torch.float32)]:
+        m = torch.randn(rows, cols, dtype=dtype, generator=g) * torch.logspace(0, -2, cols, dtype=dtype)
+        p = polar(m)
+        assert p.dtype == dtype
+        torch.testing.assert_close(p, _polar_svd(m), rtol=1e-4, atol=1e-5)
+
+
+def test_polar_of_a_rank_deficient_matrix_is_still_orthonormal():
+    m = torch.randn(30, 6, dtype=D, generator=torch.Generator().manual_seed(3))
+    m[:, 2] = 0  # a core row pruned away entirely gives such a column
+    p = polar(m)
+    torch.testing.assert_close(p.T @ p, torch.eye(6, dtype=D))
+    torch.testing.assert_close(p.T @ m, (p.T @ m).T)  # P^T M symmetric PSD: the polar condition
+
+
+def _refit_batched(t, u1, u2, mask, iterations):
+    """The text's form: per-slice products summed over the slice mode, full-SVD Procrustes."""
+    core = mask * (u1.T @ t @ u2)
+    for _ in range(iterations):
+        u1 = _polar_svd((t @ u2 @ core.transpose(1, 2)).sum(0))
+        u2 = _polar_svd((t.transpose(1, 2) @ u1 @ core).sum(0))
+        core = mask * (u1.T @ t @ u2)
+    return u1, u2, core
+
+
+def test_single_gemm_refit_equals_the_batched_sum_form():
+    t = _tensor()
+    u1, u2, _ = hosvd(t)
+    u1, u2 = u1[:, :10], u2[:, :5]
+    mask = top_k_mask(project_core(t, u1, u2), 150)
+    fast = refit(t, u1, u2, mask, 3)
+    slow = _refit_batched(t, u1, u2, mask, 3)
+    for a, b in zip(fast, slow, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_chunked_whitening_equals_the_whole_tensor_form():
+    t = _tensor(slices=19)
+    x = torch.randn(200, 40, dtype=D, generator=torch.Generator().manual_seed(4)) * torch.linspace(3, 0.1, 40,
+                                                                                                     dtype=D)
+    white = Whitening.from_gram(x.T @ x / 200)
+    whole = white.apply(t.transpose(0, 1)).transpose(0, 1)
+    norms = whole.flatten(1).norm(dim=1)
+    balanced, got = whiten_and_balance(t, white, balance=True)
+    torch.testing.assert_close(got, norms)
+    torch.testing.assert_close(balanced, (whole / norms[:, None, None]).float())
+    unbalanced, ones = whiten_and_balance(t, white, balance=False)
+    torch.testing.assert_close(ones, torch.ones(19, dtype=D))
+    torch.testing.assert_close(unbalanced, whole.float())
+
+
+def test_float32_chunk_grams_equal_float64_grams():
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(3, 700, 48, generator=g) * torch.logspace(1, -2, 48) + 0.3 for _ in range(3)]
+    moments = Moments(48, absolute=True)
+    for b in batches:
+        moments.update(b)
+    rows = torch.cat([b.reshape(-1, 48) for b in batches]).to(D)
+    assert moments.gram_sum.dtype == D and moments.count == rows.shape[0]
+    torch.testing.assert_close(moments.gram, rows.T @ rows / rows.shape[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(moments.abs_mean, rows.abs().mean(0), rtol=1e-6, atol=1e-7)
+
+
+def test_blockwise_16bit_linear_equals_the_float32_linear(monkeypatch):
+    import ftc.weights
+
+    monkeypatch.setattr(ftc.weights, "UPCAST_ROWS", 7)  # several blocks and a ragged last one
+    g = torch.Generator().manual_seed(6)
+    linear = torch.nn.Linear(24, 30)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(30, 24, generator=g))
+    reference = torch.nn.functional.linear
+    x = torch.randn(2, 5, 24, generator=g)
+    for dtype in (torch.float16, torch.bfloat16):
+        half = linear.weight.detach().to(dtype)
+        linear.weight = torch.nn.Parameter(half, requires_grad=False)
+        linear.__class__ = ftc.weights.BlockwiseLinear
+        torch.testing.assert_close(linear(x), reference(x, half.float(), linear.bias), rtol=1e-6, atol=1e-6)
+        assert linear.weight.dtype == dtype

@@ -1,0 +1,50 @@
+"""Propagation that reuses the statistics pass's attention context equals a full layer forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ftc.arch import decoder_layers, layout_of
+from ftc.pipeline import context_stats, layer_inputs, propagate
+from tests.support.tiny import LAYOUTS, tiny_model
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+def test_replayed_attention_context_gives_the_full_forward(layout_name):
+    model = tiny_model(layout_name)
+    layout = layout_of(model.config)
+    ids = torch.randint(0, model.config.vocab_size, (6, 24), generator=torch.Generator().manual_seed(0))
+    stream = layer_inputs(model, layout, ids, 4, torch.device("cpu"))
+    layer = decoder_layers(model, layout)[0]
+    full = copy.copy(stream)
+    full.hidden = list(stream.hidden)
+    propagate(layer, full)
+    _, contexts = context_stats(layer, layout, stream, None, keep="teacher")
+    assert len(contexts) == 2
+    propagate(layer, stream, layout, contexts)
+    assert contexts == [None, None]  # each context released once used
+    for replayed, forward in zip(stream.hidden, full.hidden, strict=True):
+        torch.testing.assert_close(replayed, forward, rtol=1e-5, atol=1e-6)
+
+
+def test_a_16bit_layer_stays_16bit_and_computes_as_its_float32_copy(tmp_path):
+    from ftc.weights import BlockwiseLinear, SafetensorsSource, materialize, skeleton
+
+    model = tiny_model("gqa").half()
+    model.save_pretrained(tmp_path)
+    reference = tiny_model("gqa").half().float()  # the same 16-bit values, held in float32
+    streamed = skeleton(model.config)
+    name = "model.layers.0"
+    materialize(streamed, name, SafetensorsSource(tmp_path, model.config), torch.device("cpu"), torch.float32)
+    layer = streamed.get_submodule(name)
+    linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is BlockwiseLinear and m.weight.dtype == torch.float16 for m in linears)
+    assert layer.input_layernorm.weight.dtype == torch.float32
+    layout = layout_of(model.config)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    (h,), (kw,) = (s := layer_inputs(reference, layout, ids, 2, torch.device("cpu"))).hidden, s.kwargs
+    expected = decoder_layers(reference, layout)[0](h, **kw)
+    torch.testing.assert_close(layer(h, **kw), expected, rtol=1e-5, atol=1e-6)
