@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ftc.options import DATASETS, METHODS, parse_ablations, validate_ratio
+from ftc.tasks import TASKS, parse_tasks
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 JOB_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -76,11 +77,28 @@ class Evaluation(_Strict):
         description="Also evaluate the uncompressed model on the same datasets; metrics.json then carries "
         "dense_perplexity. Sweeps set it on one job set per model, for the 'ratio to dense' column.",
     )
+    # Left out of stored requests when unset, like dense_reference.
+    tasks: list[str] = Field(
+        default_factory=list,
+        max_length=len(TASKS) + 1,
+        exclude_if=lambda value: not value,
+        description=f"Downstream tasks scored with lm-eval: {', '.join(TASKS)}, or avg6 for the paper's six; "
+        "metrics.json then carries downstream accuracy.",
+    )
+    limit: int | None = Field(
+        None, ge=1, le=100_000, strict=True, exclude_if=lambda value: value is None,
+        description="Score the first N documents of each task (default: all).",
+    )
 
     @field_validator("datasets")
     @classmethod
     def _each_once(cls, names: list[str]) -> list[str]:
         return list(dict.fromkeys(names))
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, names: list[str]) -> list[str]:
+        return list(parse_tasks(names))
 
 
 class JobRequest(_Strict):

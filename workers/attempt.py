@@ -88,12 +88,12 @@ class Attempt:
         self._report(self.clock.start_layers(inputs.layers, inputs.restored))
         manifest = self._timed("compress", lambda: self._compress(inputs))
         self._report(self.clock.stage("evaluating"))
-        perplexity, dense = self._timed("evaluate", lambda: self._evaluate(inputs))
+        evaluated, dense = self._timed("evaluate", lambda: self._evaluate(inputs))
         self.control.check()
         self._report(self.clock.stage("uploading"))
         files = self._timed("upload", lambda: upload_artifact(self.store, self.prefix, self.artifact))
         self.timings["total_seconds"] = round(self.clock.elapsed(), 3)
-        metrics = self._metrics(manifest, inputs.layers, perplexity, dense)
+        metrics = self._metrics(manifest, inputs.layers, evaluated, dense)
         finalise(self.store, self.prefix, manifest, files, metrics)
         self.checkpoints.drop_streams()
         log.info("published %d files under %s", len(files) + 2, self.prefix)
@@ -131,14 +131,15 @@ class Attempt:
         return manifest
 
     def _evaluate(self, inputs: Inputs) -> tuple[dict, dict | None]:
-        """Perplexity of the artifact on each dataset, and of the dense model when the request asks."""
-        if not inputs.datasets:
-            return {}, None
+        """Perplexity (and task accuracy) of the artifact, and of the dense model when the request asks."""
         evaluation = self.record.request.evaluation
-        windows = (evaluation.seq_len, evaluation.max_windows, self.device, self.control.check)
-        perplexity = evaluate(self.artifact, inputs.datasets, *windows)
-        dense = evaluate(inputs.model, inputs.datasets, *windows) if evaluation.dense_reference else None
-        return perplexity, dense
+        if not inputs.datasets and not evaluation.tasks:
+            return {}, None
+        settings = (evaluation.seq_len, evaluation.max_windows, self.device, self.control.check, evaluation.tasks,
+                    evaluation.limit)
+        results = evaluate(self.artifact, inputs.datasets, *settings)
+        dense = evaluate(inputs.model, inputs.datasets, *settings) if evaluation.dense_reference else None
+        return results, dense
 
     def _layer_done(self, result) -> None:
         log.info("layer %d of %d done in %.2f s", result.index + 1, result.total, result.seconds)
@@ -148,8 +149,9 @@ class Attempt:
         self.job_log.upload()
         self._report(self.clock.layer_done(result.index + 1))
 
-    def _metrics(self, manifest: dict, layers: int, perplexity: dict, dense: dict | None) -> dict[str, Any]:
+    def _metrics(self, manifest: dict, layers: int, evaluated: dict, dense: dict | None) -> dict[str, Any]:
         request = self.record.request
+        evaluation = request.evaluation
         metrics = {
             "job_id": self.record.id,
             "model": request.model,
@@ -157,8 +159,9 @@ class Attempt:
             "method": request.method,
             "ratio": request.ratio,
             "ablate": list(request.ablate),
-            "eval": {"seq_len": request.evaluation.seq_len, "max_windows": request.evaluation.max_windows},
-            "perplexity": perplexity,
+            "eval": {"seq_len": evaluation.seq_len, "max_windows": evaluation.max_windows,
+                     **({"tasks": evaluation.tasks, "limit": evaluation.limit} if evaluation.tasks else {})},
+            "perplexity": evaluated.get("perplexity", {}),
             "storage": manifest["storage"],
             "layers": layers,
             "resumed_from_layer": manifest["resumed_from_layer"],
@@ -167,6 +170,10 @@ class Attempt:
             "device": manifest["device"],
             "timings": self.timings,
         }
+        if "downstream" in evaluated:
+            metrics["downstream"] = evaluated["downstream"]
         if dense is not None:
-            metrics["dense_perplexity"] = dense
+            metrics["dense_perplexity"] = dense["perplexity"]
+            if "downstream" in dense:
+                metrics["dense_downstream"] = dense["downstream"]
         return metrics

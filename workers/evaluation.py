@@ -1,4 +1,5 @@
-"""The job's evaluation: perplexity of the compressed artifact, reloaded from disk, on each dataset.
+"""The job's evaluation of the compressed artifact, reloaded from disk: perplexity on each dataset
+and, when the request names tasks, downstream accuracy through lm-eval.
 
 The artifact is evaluated exactly as a user would load it (`load_artifact` from the written
 folder), so the numbers describe the file that is uploaded, not the model left in memory.
@@ -7,8 +8,9 @@ folder), so the numbers describe the file that is uploaded, not the model left i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +18,7 @@ from ftc.data import load_text, tokenize
 from ftc.evaluate import perplexity
 from ftc.loading import load_model
 from ftc.models import resolve_model
+from ftc.tasks import task_file
 
 log = logging.getLogger(__name__)
 
@@ -27,19 +30,30 @@ def evaluate(
     max_windows: int | None,
     device: str,
     check: Callable[[], None],
-) -> dict[str, dict]:
-    """Perplexity per dataset of a model given as `--model` accepts it: the written artifact
-    folder, or the dense base model as the reference a keep ratio is judged against.
+    tasks: Sequence[str] = (),
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """`{"perplexity": {dataset: ...}}`, plus `"downstream"` (`ftc.downstream.evaluate_tasks`'s
+    result: per-task accuracy, avg, limit) when `tasks` is not empty, for a model given as `--model`
+    accepts it: the written artifact folder, or the dense base model as the reference.
 
     `datasets` maps the name the job used to the file or name to read. `check` runs before each
-    dataset, so a cancelled job does not sit through a long evaluation.
+    dataset and before the tasks, so a cancelled job does not sit through a long evaluation.
     """
+    for task in tasks:  # a worker without the task files fails before loading anything
+        task_file(task)
     loaded, tokenizer = load_model(resolve_model(str(model)), torch.float32, device)
-    results = {}
+    results: dict[str, Any] = {"perplexity": {}}
     for name, local in datasets.items():
         check()
         ids = tokenize(tokenizer, load_text(local, "test"))
-        results[name] = perplexity(loaded, ids, seq_len, max_windows, device=device, progress=False)
-        log.info("perplexity on %s: %.4f over %d windows of %d", name, results[name]["ppl"],
-                 results[name]["windows"], seq_len)
+        ppl = results["perplexity"][name] = perplexity(loaded, ids, seq_len, max_windows, device=device,
+                                                       progress=False)
+        log.info("perplexity on %s: %.4f over %d windows of %d", name, ppl["ppl"], ppl["windows"], seq_len)
+    if tasks:
+        from ftc.downstream import evaluate_tasks
+
+        check()
+        downstream = results["downstream"] = evaluate_tasks(loaded, tokenizer, tasks, limit=limit)
+        log.info("downstream accuracy over %s: avg %.4f (limit %s)", ", ".join(tasks), downstream["avg"], limit)
     return results

@@ -46,7 +46,17 @@ def previous_rows(store: ObjectStore, context: RunContext) -> list[ResultRow]:
     return [ResultRow.from_json(row) for row in document.get("rows", [])]
 
 
-def _markdown(context: RunContext, rows: list[ResultRow], dense: dict, comparison: Comparison) -> str:
+def _tasks_line(tasks: list[str], limit: int | None) -> list[str]:
+    if not tasks:
+        return []
+    scope = f"the first {limit} documents of each" if limit else "every document"
+    return [f"Downstream tasks (lm-eval, {scope}): {', '.join(tasks)}; 'acc' columns are accuracy in % "
+            "(exact match for gsm8k), 'avg' their mean."]
+
+
+def _markdown(
+    context: RunContext, rows: list[ResultRow], dense: dict, dense_accuracy: dict, comparison: Comparison
+) -> str:
     request = context.request
     calibration, evaluation = request.calibration, request.evaluation
     title = f"# Sweep {request.name or context.sweep_id}: run {context.run_id}"
@@ -61,9 +71,11 @@ def _markdown(context: RunContext, rows: list[ResultRow], dense: dict, compariso
         f"{calibration.seed}. Evaluation: {', '.join(evaluation.datasets) or 'none'}, windows of "
         f'{evaluation.seq_len} tokens{windows}. "x dense" is the perplexity over the dense model\'s.',
         "",
-        markdown_table(rows, dense, evaluation.datasets),
+        *_tasks_line(evaluation.tasks, evaluation.limit),
+        "",
+        markdown_table(rows, dense, evaluation.datasets, evaluation.tasks, dense_accuracy),
     ]
-    missing = [m for m in dict.fromkeys(r.model for r in rows) if m not in dense]
+    missing = [m for m in dict.fromkeys(r.model for r in rows) if m not in dense]  # perplexity reference
     if missing and evaluation.datasets:
         lines += [f"No dense reference for {', '.join(missing)}: its reference job gave no dense_perplexity.", ""]
     failed = failures(rows)
@@ -74,11 +86,16 @@ def _markdown(context: RunContext, rows: list[ResultRow], dense: dict, compariso
 
 
 def build_report(
-    context: RunContext, rows: list[ResultRow], dense: dict, previous: list[ResultRow]
+    context: RunContext,
+    rows: list[ResultRow],
+    dense: dict,
+    previous: list[ResultRow],
+    dense_accuracy: dict | None = None,
 ) -> tuple[dict[str, bytes], Comparison]:
     """The report's files, by name, and its comparison with the previous run."""
     request = context.request
-    datasets = request.evaluation.datasets
+    datasets, tasks = request.evaluation.datasets, request.evaluation.tasks
+    dense_accuracy = dense_accuracy or {}
     comparison = compare(previous, rows, request.change_threshold, context.previous_run)
     document = {
         "sweep_id": context.sweep_id,
@@ -87,22 +104,24 @@ def build_report(
         "created_at": context.created_at,
         "datasets": datasets,
         "dense": dense,
+        **({"tasks": tasks, "dense_accuracy": dense_accuracy} if tasks else {}),
         "rows": [row.to_json() for row in rows],
         "comparison": comparison.to_json(),
     }
     files = {
-        RESULTS_CSV: csv_table(rows, dense, datasets).encode(),
-        RESULTS_MD: _markdown(context, rows, dense, comparison).encode(),
+        RESULTS_CSV: csv_table(rows, dense, datasets, tasks, dense_accuracy).encode(),
+        RESULTS_MD: _markdown(context, rows, dense, dense_accuracy, comparison).encode(),
         RESULTS_JSON: json.dumps(document, indent=2).encode(),
     }
-    files |= render_plots(rows, dense, datasets, f"{request.name or context.sweep_id} · run {context.run_id}")
+    files |= render_plots(rows, dense, datasets, f"{request.name or context.sweep_id} · run {context.run_id}",
+                          tasks, dense_accuracy)
     return files, comparison
 
 
 def write_report(store: ObjectStore, context: RunContext, now: float | None = None) -> RunReport:
     """Gather the run's metrics, build its report and put it in the store (run folder, then latest)."""
-    rows, dense = result_rows(store, context.team, context.cells)
-    files, comparison = build_report(context, rows, dense, previous_rows(store, context))
+    rows, dense, dense_accuracy = result_rows(store, context.team, context.cells)
+    files, comparison = build_report(context, rows, dense, previous_rows(store, context), dense_accuracy)
     prefix, folder = sweep_prefix(context.team, context.sweep_id), run_folder(context.run_id)
     for target in (prefix + folder, prefix):
         for name, data in files.items():

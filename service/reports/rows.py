@@ -4,6 +4,9 @@ The contract with the workers (docs/sweeps.md): `{team}/jobs/{job_id}/metrics.js
 
     {"perplexity": {"wikitext2": {"ppl": 31.2, ...}, ...},        one entry per eval dataset
      "dense_perplexity": {"wikitext2": {"ppl": 29.9, ...}, ...},  when eval.dense_reference was set
+     "downstream": {"tasks": {"arc_easy": {"acc": 0.61, ...}, "gsm8k": {"exact_match": 0.02, ...}},
+                    "avg": 0.48, ...},                            when eval.tasks was set
+     "dense_downstream": {...},                                   the same for the dense model
      "storage": {"attention_bytes_written": ..., "model_reduction": ...},   the manifest's accounting
      "timings": {"total_seconds": ...}}
 
@@ -24,11 +27,17 @@ from service.store.layout import METRICS, job_prefix
 from service.sweeps.schemas import variant_label
 from service.sweeps.store import RunCell
 
+AVERAGE = "avg"
+"""The accuracy key of the mean over a job's tasks, next to the task names."""
+
 
 @dataclass(frozen=True)
 class CellMetrics:
     perplexity: dict[str, float] = field(default_factory=dict)
     dense_perplexity: dict[str, float] = field(default_factory=dict)
+    accuracy: dict[str, float] = field(default_factory=dict)
+    """Each task's headline score (acc; exact match for gsm8k) and their mean under `avg`."""
+    dense_accuracy: dict[str, float] = field(default_factory=dict)
     attention_bytes: int | None = None
     model_reduction: float | None = None
     seconds: float | None = None
@@ -45,6 +54,7 @@ class ResultRow:
     job_id: str | None = None
     perplexity: dict[str, float] = field(default_factory=dict)
     ratio_to_dense: dict[str, float] = field(default_factory=dict)
+    accuracy: dict[str, float] = field(default_factory=dict)
     attention_bytes: int | None = None
     model_reduction: float | None = None
     seconds: float | None = None
@@ -78,6 +88,18 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _accuracy(section: Any) -> dict[str, float]:
+    """Task -> headline score from a `downstream` section, plus `avg`; malformed entries are left out."""
+    if not isinstance(section, Mapping) or not isinstance(section.get("tasks"), Mapping):
+        return {}
+    found: dict[str, float | None] = {}
+    for task, row in section["tasks"].items():
+        if isinstance(row, Mapping):
+            found[task] = _number(row.get("acc", row.get("exact_match")))
+    found[AVERAGE] = _number(section.get(AVERAGE))
+    return {name: value for name, value in found.items() if value is not None and math.isfinite(value)}
+
+
 def parse_metrics(data: Any) -> CellMetrics:
     """Read a metrics.json document; unknown or malformed parts are left out."""
     if not isinstance(data, Mapping):
@@ -88,6 +110,8 @@ def parse_metrics(data: Any) -> CellMetrics:
     return CellMetrics(
         perplexity=_per_dataset(data.get("perplexity")),
         dense_perplexity=_per_dataset(data.get("dense_perplexity")),
+        accuracy=_accuracy(data.get("downstream")),
+        dense_accuracy=_accuracy(data.get("dense_downstream")),
         attention_bytes=int(attention_bytes) if attention_bytes is not None else None,
         model_reduction=_number(storage.get("model_reduction")),
         seconds=_number(timings.get("total_seconds")),
@@ -102,18 +126,24 @@ def read_metrics(store: ObjectStore, team: str, job_id: str) -> CellMetrics | No
         return None
 
 
-def result_rows(store: ObjectStore, team: str, cells: list[RunCell]) -> tuple[list[ResultRow], dict[str, dict]]:
-    """The rows of a run (in cell order) and the dense perplexity per model and dataset."""
+def result_rows(
+    store: ObjectStore, team: str, cells: list[RunCell]
+) -> tuple[list[ResultRow], dict[str, dict], dict[str, dict]]:
+    """The rows of a run (in cell order), the dense perplexity per model and dataset, and the dense
+    accuracy per model and task."""
     metrics = {
         cell.planned.job_id: read_metrics(store, team, cell.planned.job_id)
         for cell in cells
         if cell.planned.job_id and cell.status == "succeeded"
     }
     dense: dict[str, dict[str, float]] = {}
+    dense_accuracy: dict[str, dict[str, float]] = {}
     for cell in cells:
         found = metrics.get(cell.planned.job_id)
         if found is not None and found.dense_perplexity:
             dense.setdefault(cell.planned.model, found.dense_perplexity)
+        if found is not None and found.dense_accuracy:
+            dense_accuracy.setdefault(cell.planned.model, found.dense_accuracy)
     rows = []
     for cell in cells:
         planned, state = cell.planned, cell.state
@@ -135,10 +165,11 @@ def result_rows(store: ObjectStore, team: str, cells: list[RunCell]) -> tuple[li
                 job_id=planned.job_id,
                 perplexity=perplexity,
                 ratio_to_dense={d: p / reference[d] for d, p in perplexity.items() if d in reference},
+                accuracy=found.accuracy if found else {},
                 attention_bytes=found.attention_bytes if found else None,
                 model_reduction=found.model_reduction if found else None,
                 seconds=round(seconds, 3) if seconds is not None else None,
                 error=error,
             )
         )
-    return rows, dense
+    return rows, dense, dense_accuracy

@@ -1,34 +1,43 @@
 """The result table of a run as CSV (for scripts) and Markdown (for people).
 
 Columns: model, method, rho, then per evaluation dataset the perplexity and its ratio to the dense
-model, then storage (attention bytes written, whole-model reduction) and seconds. Each model's
-dense reference comes first as a `dense` row at rho 1.
+model, then per downstream task its accuracy and their average (`avg`), then storage (attention
+bytes written, whole-model reduction) and seconds. Each model's dense reference comes first as a
+`dense` row at rho 1.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from service.reports.rows import ResultRow
+from service.reports.rows import AVERAGE, ResultRow
 
 
-def _ordered(rows: Iterable[ResultRow], dense: dict[str, dict[str, float]]) -> list[ResultRow]:
+def accuracy_columns(tasks: Sequence[str]) -> list[str]:
+    """The accuracy columns of a run that asked for `tasks`: each task, then their average."""
+    return [*tasks, AVERAGE] if tasks else []
+
+
+def _ordered(
+    rows: Iterable[ResultRow], dense: dict[str, dict[str, float]], dense_accuracy: dict[str, dict[str, float]]
+) -> list[ResultRow]:
     """Dense rows first per model, then the model's cells by method and decreasing rho."""
     rows = list(rows)
     methods = list(dict.fromkeys(row.method for row in rows))
     ordered = []
     for model in dict.fromkeys(row.model for row in rows):
-        if model in dense:
+        if model in dense or model in dense_accuracy:
             ordered.append(
                 ResultRow(
                     model=model,
                     method="dense",
                     ratio=1.0,
                     status="succeeded",
-                    perplexity=dense[model],
-                    ratio_to_dense=dict.fromkeys(dense[model], 1.0),
+                    perplexity=dense.get(model, {}),
+                    ratio_to_dense=dict.fromkeys(dense.get(model, {}), 1.0),
+                    accuracy=dense_accuracy.get(model, {}),
                 )
             )
         mine = [row for row in rows if row.model == model]
@@ -36,20 +45,29 @@ def _ordered(rows: Iterable[ResultRow], dense: dict[str, dict[str, float]]) -> l
     return ordered
 
 
-def csv_table(rows: Iterable[ResultRow], dense: dict[str, dict[str, float]], datasets: list[str]) -> str:
+def csv_table(
+    rows: Iterable[ResultRow],
+    dense: dict[str, dict[str, float]],
+    datasets: list[str],
+    tasks: Sequence[str] = (),
+    dense_accuracy: dict[str, dict[str, float]] | None = None,
+) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
+    columns = accuracy_columns(tasks)
     writer.writerow(
         ["model", "method", "rho", "status"]
         + [f"ppl_{d}" for d in datasets]
         + [f"ratio_to_dense_{d}" for d in datasets]
+        + [f"acc_{t}" for t in columns]
         + ["attention_bytes", "model_reduction", "seconds", "job_id", "error"]
     )
-    for row in _ordered(rows, dense):
+    for row in _ordered(rows, dense, dense_accuracy or {}):
         writer.writerow(
             [row.model, row.method, row.ratio, row.status]
             + [_plain(row.perplexity.get(d)) for d in datasets]
             + [_plain(row.ratio_to_dense.get(d)) for d in datasets]
+            + [_plain(row.accuracy.get(t)) for t in columns]
             + [_plain(row.attention_bytes), _plain(row.model_reduction), _plain(row.seconds)]
             + [row.job_id or "", row.error or ""]
         )
@@ -62,19 +80,30 @@ def _plain(value: float | int | None) -> str:
     return str(value) if isinstance(value, int) else f"{value:.10g}"  # full precision, without float noise
 
 
-def markdown_table(rows: Iterable[ResultRow], dense: dict[str, dict[str, float]], datasets: list[str]) -> str:
+def markdown_table(
+    rows: Iterable[ResultRow],
+    dense: dict[str, dict[str, float]],
+    datasets: list[str],
+    tasks: Sequence[str] = (),
+    dense_accuracy: dict[str, dict[str, float]] | None = None,
+) -> str:
     header = ["model", "method", "rho"]
     for d in datasets:
         header += [f"ppl {d}", "x dense"]
+    columns = accuracy_columns(tasks)
+    header += [f"acc {t} %" for t in columns]
     header += ["attention MiB", "model reduction", "seconds"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in _ordered(rows, dense):
+    for row in _ordered(rows, dense, dense_accuracy or {}):
         cells = [_escape(row.model), _escape(row.method), f"{row.ratio:g}"]
         for d in datasets:
             value = row.perplexity.get(d)
             cells.append(f"{value:.3f}" if value is not None else row.status if row.status != "succeeded" else "-")
             ratio = row.ratio_to_dense.get(d)
             cells.append(f"{ratio:.2f}x" if ratio is not None else "")
+        for t in columns:
+            accuracy = row.accuracy.get(t)
+            cells.append(f"{100 * accuracy:.1f}" if accuracy is not None else "-")
         cells.append(f"{row.attention_bytes / 2**20:.2f}" if row.attention_bytes is not None else "")
         cells.append(f"{row.model_reduction:.1%}" if row.model_reduction is not None else "")
         cells.append(f"{row.seconds:.0f}" if row.seconds is not None else "")

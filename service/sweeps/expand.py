@@ -36,7 +36,7 @@ class PlannedCell:
 
 def job_sets(request: SweepRequest) -> list[JobRequest]:
     """The job requests of one run, one per model x variant, in a stable order."""
-    wants_dense = bool(request.evaluation.datasets)
+    wants_dense = bool(request.evaluation.datasets or request.evaluation.tasks)
     sets = []
     for model in request.models:
         for index, (method, ablate) in enumerate(request.variants()):
