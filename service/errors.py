@@ -29,3 +29,7 @@ class LeaseLost(Exception):
         super().__init__(f"worker {worker} no longer holds job {job_id}; stop working on it")
         self.job_id = job_id
         self.worker = worker
+
+
+class StoreUnavailable(Exception):
+    """The object store could not be reached, even after retrying with backoff."""

@@ -102,11 +102,11 @@ return {'running', flagged or '0'}
 _FINISH = (
     LUA_PRELUDE
     + """
-local id, worker, now, new, error = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local id, worker, now, new, error, kind = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local key = job_key(id)
 local status, owner, team = unpack(redis.call('HMGET', key, 'status', 'worker', 'team'))
 if status ~= 'running' or owner ~= worker then return 'lost' end
-redis.call('HSET', key, 'finished_at', now, 'error', error)
+redis.call('HSET', key, 'finished_at', now, 'error', error, 'error_kind', kind)
 local details = {}
 if error ~= '' then details['error'] = error end
 set_status(id, team, status, new, now, details)
@@ -154,6 +154,7 @@ def record_from_hash(fields: dict[str, str]) -> JobRecord:
         attempts=int(fields.get("attempts") or 0),
         progress=Progress.model_validate_json(fields["progress"]),
         error=fields.get("error") or None,
+        error_kind=fields.get("error_kind") or None,
         cancel_requested=fields.get("cancel_requested") == "1",
         worker=fields.get("worker") or None,
         linked=json.loads(fields.get("linked") or "[]"),
@@ -231,6 +232,15 @@ class JobStore:
             return None
         return record_from_hash(fields)
 
+    async def claimed(self, job_id: str) -> JobRecord:
+        """The record of a job a worker holds the lease of (no team check: the queue named it).
+
+        Raises JobNotFound when the record is gone (deleted or expired while queued)."""
+        fields = await self.redis.hgetall(self.keys.job(job_id))
+        if not fields:
+            raise JobNotFound(job_id)
+        return record_from_hash(fields)
+
     async def require(self, team: str, job_id: str) -> JobRecord:
         record = await self.get(team, job_id)
         if record is None:
@@ -273,13 +283,18 @@ class JobStore:
             raise LeaseLost(job_id, worker)
         return flagged == "1"
 
-    async def finish(self, job_id: str, worker: str, status: str, error: str | None = None) -> None:
-        """Move a running job to succeeded, failed (with a readable reason) or cancelled."""
+    async def finish(
+        self, job_id: str, worker: str, status: str, error: str | None = None, error_kind: str | None = None
+    ) -> None:
+        """Move a running job to succeeded, failed (with a readable reason and its kind, see
+        service/retry.py ERROR_KINDS) or cancelled."""
         if status not in ("succeeded", "failed", "cancelled"):
             raise ValueError(f"a job finishes as succeeded, failed or cancelled; got {status!r}")
         if status == "failed" and not error:
             raise ValueError("a failed job needs a reason the submitter can act on")
-        outcome = await self._finish(args=[self.keys.prefix, job_id, worker, repr(time.time()), status, error or ""])
+        outcome = await self._finish(
+            args=[self.keys.prefix, job_id, worker, repr(time.time()), status, error or "", error_kind or ""]
+        )
         if outcome == "lost":
             raise LeaseLost(job_id, worker)
 

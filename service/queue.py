@@ -5,6 +5,7 @@ job with XREADGROUP, highest priority first; the stream's pending-entries list i
 worker renews it (heartbeat) by re-claiming its own entry, which resets the entry's idle time. The
 janitor takes entries idle longer than the lease with XAUTOCLAIM and re-delivers their jobs to the
 queue, or fails them once they used up their attempts, with the reason in the job record.
+Lease length and attempts come from the one `RetryPolicy` (service/retry.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from redis.exceptions import ResponseError
 
 from service.errors import LeaseLost
 from service.keys import CONSUMER_GROUP, LUA_PRELUDE, Keys
+from service.retry import RetryPolicy
 from service.schemas import PRIORITIES
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ attempts = tonumber(attempts or '0')
 if attempts >= max_attempts then
   local reason = 'gave up after ' .. attempts .. ' of ' .. max_attempts .. ' attempts: worker '
     .. (worker or '?') .. ' stopped renewing its ' .. lease .. ' s lease (crashed, killed or hung)'
-  redis.call('HSET', key, 'finished_at', now, 'error', reason)
+  redis.call('HSET', key, 'finished_at', now, 'error', reason, 'error_kind', 'worker_lost')
   set_status(id, team, status, 'failed', now, {error = reason})
   return 'failed'
 end
@@ -101,11 +103,12 @@ class Lease:
 class Queue:
     """The priority streams and their consumer group."""
 
-    def __init__(self, redis: Redis, keys: Keys, *, lease_seconds: int = 120, max_attempts: int = 3) -> None:
+    def __init__(self, redis: Redis, keys: Keys, policy: RetryPolicy | None = None) -> None:
         self.redis = redis
         self.keys = keys
-        self.lease_seconds = lease_seconds
-        self.max_attempts = max_attempts
+        self.policy = policy or RetryPolicy()
+        self.lease_seconds = self.policy.lease_seconds
+        self.max_attempts = self.policy.max_attempts
         self._claim = redis.register_script(_CLAIM)
         self._heartbeat = redis.register_script(_HEARTBEAT)
         self._reap = redis.register_script(_REAP)

@@ -13,6 +13,7 @@ from service.jobs import JobStore
 from service.keys import Keys
 from service.queue import Queue
 from service.redis_client import connect
+from service.retry import RetryPolicy
 from service.settings import Settings
 from service.store import ObjectStore, store_for
 
@@ -34,7 +35,7 @@ class Services:
             settings=settings,
             redis=redis,
             jobs=JobStore(redis, keys, idempotency_ttl_seconds=settings.idempotency_ttl_seconds),
-            queue=Queue(redis, keys, lease_seconds=settings.lease_seconds, max_attempts=settings.max_attempts),
+            queue=Queue(redis, keys, RetryPolicy.from_settings(settings)),
             store=store or store_for(settings),
         )
 

@@ -177,6 +177,10 @@ class JobRecord(BaseModel):
     attempts: int = 0
     progress: Progress = Field(default_factory=Progress)
     error: str | None = None
+    error_kind: str | None = Field(
+        None, description="Why a failed job failed: invalid_input, out_of_memory, store_unavailable, worker_lost "
+        "or error (docs/workers.md, retry policy)."
+    )
     cancel_requested: bool = False
     worker: str | None = None
     linked: list[str] = Field(default_factory=list, description="Jobs submitted together (one per ratio).")

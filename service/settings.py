@@ -28,12 +28,17 @@ class Settings(BaseSettings):
     )
     store_retries: int = Field(5, ge=1, description="Attempts per object-store call before giving up.")
     store_backoff_seconds: float = Field(0.2, ge=0, description="First retry delay; doubles each attempt.")
+    store_backoff_max_seconds: float = Field(10.0, ge=0, description="Longest delay between two store tries.")
     presign_seconds: int = Field(3600, ge=60, le=7 * 24 * 3600)
 
     api_keys: str = Field("", description="`key:team,...` or the path of a file with one `key:team` a line.")
 
     lease_seconds: int = Field(120, ge=5, description="A worker that stops heartbeating loses its job.")
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it fails for good.")
+    redis_retry_seconds: float = Field(
+        0.2, gt=0, description="First wait of a worker after Redis did not answer; doubles each failure."
+    )
+    redis_retry_max_seconds: float = Field(5.0, gt=0, description="Longest wait between two tries to reach Redis.")
     janitor_interval_seconds: float = Field(15.0, ge=0, description="0 turns the in-API janitor off.")
     idempotency_ttl_seconds: int = Field(24 * 3600, ge=60)
     max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1)

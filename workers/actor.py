@@ -58,15 +58,19 @@ class JobWorker:
 
         services = Services.open(self.settings)
         log.info("worker %s started (device %s)", self.name, self.device)
+        failures = 0  # consecutive failures to reach the queue
         try:
             while not self._shutdown.is_set():
                 self.metrics_endpoint.try_serve()
                 try:
                     lease = await services.queue.claim(self.name, block_ms=CLAIM_BLOCK_MS)
                 except REDIS_DOWN_ERRORS as error:
-                    log.warning("queue unreachable (%s); retrying", error)
-                    await asyncio.sleep(1.0)
+                    failures += 1
+                    delay = services.queue.policy.redis_delay(failures)
+                    log.warning("queue unreachable (%s); retrying in %.1f s", error, delay)
+                    await asyncio.sleep(delay)
                     continue
+                failures = 0
                 if lease is None:
                     continue
                 log.info("claimed job %s (attempt %d)", lease.job_id, lease.attempt)

@@ -4,7 +4,9 @@ The outcome decides what happens to the queue entry. A job that ended (succeeded
 cancelled) is recorded and then acknowledged, in that order, so a crash in between re-delivers a
 job whose record already says how it ended (the queue then drops it). A job whose lease was lost
 belongs to someone else and is left alone. A job interrupted by a worker shutdown is left
-unacknowledged: its lease runs out, the janitor re-delivers it and another worker resumes it.
+unacknowledged: its lease runs out, the janitor re-delivers it and another worker resumes it. A
+failed attempt is final or left for re-delivery the same way, as the `RetryPolicy` decides from
+its error kind (service/retry.py): a bad request (`InputError`) fails on its first attempt.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from pathlib import Path
 
 from ftc.options import InputError
 from service.errors import LeaseLost
-from service.jobs import record_from_hash
 from service.logs import set_log_context
 from service.queue import Lease
 from service.redis_client import REDIS_DOWN_ERRORS
+from service.retry import error_kind
 from service.runtime import Services
 from service.store.layout import LOG, job_prefix
 from workers.attempt import Attempt
@@ -52,15 +54,17 @@ async def run_job(
     services: Services, settings: WorkerSettings, lease: Lease, device: str, shutdown: threading.Event
 ) -> str:
     """Run the job `lease` holds; returns succeeded, failed, cancelled, lost or interrupted."""
-    record = record_from_hash(await services.redis.hgetall(services.jobs.keys.job(lease.job_id)))
+    policy = services.queue.policy
+    record = await services.jobs.claimed(lease.job_id)
     set_log_context(job_id=lease.job_id, team=record.team)
     started = time.monotonic()
     record_attempt(lease.attempt)
     control = JobControl(asyncio.get_running_loop(), services.jobs, lease, shutdown)
     folder = Path(settings.work_dir) / "jobs" / f"{lease.job_id}-{lease.attempt}-{uuid.uuid4().hex[:8]}"
     job_log = JobLog(services.store, job_prefix(record.team, record.id), folder / LOG)
-    keeper = asyncio.create_task(control.keep_lease(services.queue, settings.heartbeat_seconds))
+    keeper = asyncio.create_task(control.keep_lease(services.queue, policy.heartbeat_seconds))
     error: str | None = None
+    kind: str | None = None
     failure: Exception | None = None
     try:
         await asyncio.to_thread(job_log.open)
@@ -68,7 +72,7 @@ async def run_job(
             "job %s: attempt %d of %d on worker %s (device %s)",
             lease.job_id,
             lease.attempt,
-            settings.max_attempts,
+            policy.max_attempts,
             lease.worker,
             device,
         )
@@ -84,7 +88,11 @@ async def run_job(
             outcome = "interrupted"
         except Exception as raised:
             log.exception("job %s failed", lease.job_id)
-            outcome, error, failure = "failed", summarise(raised), raised
+            kind = error_kind(raised)
+            if policy.redelivers(kind, lease.attempt):
+                outcome = "retry"
+            else:
+                outcome, error, failure = "failed", summarise(raised), raised
         if control.lost:  # whatever happened after the lease was lost is not ours to record
             outcome = "lost"
         log.info("job %s: %s%s", lease.job_id, _describe(outcome), f": {error}" if error else "")
@@ -96,7 +104,7 @@ async def run_job(
         shutil.rmtree(folder, ignore_errors=True)
     record_outcome(outcome, time.monotonic() - started, failure)
     if outcome in ENDED:
-        await _record(services, lease, outcome, error, settings.lease_seconds)
+        await _record(services, lease, outcome, error, kind)
     return outcome
 
 
@@ -104,25 +112,28 @@ def _describe(outcome: str) -> str:
     return {
         "lost": "lease lost; another worker has the job",
         "interrupted": "interrupted by worker shutdown; left for re-delivery (it resumes from its checkpoints)",
+        "retry": "attempt failed; left for re-delivery when its lease runs out (it resumes from its checkpoints)",
     }.get(outcome, outcome)
 
 
-async def _record(services: Services, lease: Lease, status: str, error: str | None, patience_seconds: float) -> None:
+async def _record(services: Services, lease: Lease, status: str, error: str | None, kind: str | None) -> None:
     """Finish the record, then acknowledge; Redis restarts are waited out for up to a lease."""
+    policy = services.queue.policy
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + patience_seconds
-    delay = 0.2
+    deadline = loop.time() + policy.lease_seconds
+    failures = 0
     while True:
         try:
-            await services.jobs.finish(lease.job_id, lease.worker, status, error)
+            await services.jobs.finish(lease.job_id, lease.worker, status, error, kind)
             await services.queue.ack(lease)
             return
         except LeaseLost as lost:
             log.warning("could not record %s: %s", status, lost)
             return
         except REDIS_DOWN_ERRORS as down:
+            failures += 1
+            delay = policy.redis_delay(failures)
             if loop.time() + delay > deadline:
                 log.error("could not record %s for job %s (%s); it will be re-delivered", status, lease.job_id, down)
                 return
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ftc.options import InputError
+from service.retry import error_kind
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -33,7 +33,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 JOB_SECONDS_BUCKETS = (10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 28800, 86400)
 LAYER_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 10)
-STOPPED_OUTCOMES = ("cancelled", "lost", "interrupted")
+STOPPED_OUTCOMES = ("cancelled", "lost", "interrupted", "retry")
 RETRY_BIND_SECONDS = 30.0
 """How often an actor that does not hold the port tries to take it over."""
 
@@ -64,7 +64,7 @@ def metrics() -> WorkerMetrics:
             jobs_succeeded=Counter("ftc_worker_jobs_succeeded", "Job attempts that ended with the job succeeded."),
             jobs_failed=Counter(
                 "ftc_worker_jobs_failed",
-                "Job attempts that failed the job, by reason: invalid_input (the request), out_of_memory, error.",
+                "Job attempts that failed the job, by reason: an error kind of service/retry.py ERROR_KINDS.",
                 ["reason"],
             ),
             jobs_stopped=Counter(
@@ -92,11 +92,7 @@ def metrics() -> WorkerMetrics:
 
 def failure_reason(error: BaseException) -> str:
     """A bounded label for why a job failed (the message itself goes to the job record)."""
-    if isinstance(error, InputError):
-        return "invalid_input"
-    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":  # torch.cuda's, unimported
-        return "out_of_memory"
-    return "error"
+    return error_kind(error)
 
 
 def record_attempt(attempt: int) -> None:

@@ -43,8 +43,3 @@ class WorkerSettings(Settings):
         description='Custom Ray resources each worker actor needs, as JSON (e.g. {"ftc_worker_node": 1}): the '
         "actors then run only on nodes started with them (`ray start --resources`), e.g. one node pool.",
     )
-
-    @property
-    def heartbeat_seconds(self) -> float:
-        """A quarter of the lease: three heartbeats may be missed before the job is taken away."""
-        return self.lease_seconds / 4

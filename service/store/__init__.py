@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from service.retry import RetryPolicy
 from service.settings import Settings
 from service.store.base import (
     IncompleteArtifacts,
@@ -32,8 +33,7 @@ def open_store(
     *,
     region: str = "us-east-1",
     presign_endpoint_url: str | None = None,
-    attempts: int = 5,
-    backoff_seconds: float = 0.2,
+    retry: RetryPolicy | None = None,
 ) -> ObjectStore:
     """The store a URL names: `s3://bucket/prefix` (at `endpoint_url` if set), or a local folder path."""
     if url.startswith("s3://"):
@@ -46,8 +46,7 @@ def open_store(
             endpoint_url=endpoint_url,
             region=region,
             presign_endpoint_url=presign_endpoint_url,
-            attempts=attempts,
-            backoff_seconds=backoff_seconds,
+            retry=retry,
         )
     if url.startswith("file://"):
         url = url[len("file://") :]
@@ -63,6 +62,5 @@ def store_for(settings: Settings) -> ObjectStore:
         settings.s3_endpoint_url,
         region=settings.s3_region,
         presign_endpoint_url=settings.s3_presign_endpoint_url,
-        attempts=settings.store_retries,
-        backoff_seconds=settings.store_backoff_seconds,
+        retry=RetryPolicy.from_settings(settings),
     )

@@ -15,11 +15,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from service.errors import StoreUnavailable
 from service.store.layout import MANIFEST, check_key
 
-
-class StoreUnavailable(Exception):
-    """The object store could not be reached, even after retrying with backoff."""
+__all__ = ["StoreUnavailable"]  # defined with the other service errors, so the retry policy can name it
 
 
 class ObjectMissing(KeyError):

@@ -12,6 +12,7 @@ from boto3.exceptions import S3UploadFailedError
 from botocore.exceptions import ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from service.retry import RetryPolicy
 from service.store.base import StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -39,16 +40,16 @@ def with_retries(
     call: Callable[[], T],
     *,
     what: str,
-    attempts: int,
-    base_delay: float,
-    max_delay: float = 10.0,
+    policy: RetryPolicy,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
-    """Run `call`, retrying transient failures after base_delay, 2*base_delay, ... (with jitter).
+    """Run `call`, retrying transient failures `policy.store_attempts` times with `policy.store_delay`
+    backoff (plus 20% jitter, so many clients do not retry in step).
 
     After the last attempt the failure becomes StoreUnavailable naming the operation, so callers
     and job records say what could not be done rather than showing a botocore traceback.
     """
+    attempts = policy.store_attempts
     for attempt in range(1, attempts + 1):
         try:
             return call()
@@ -59,7 +60,7 @@ def with_retries(
                 raise StoreUnavailable(
                     f"object store unavailable: {what} failed {attempts} times; last error: {error}"
                 ) from error
-            delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * random.uniform(0.8, 1.2)
+            delay = policy.store_delay(attempt) * random.uniform(0.8, 1.2)
             log.warning("%s failed (%s); retry %d/%d in %.2fs", what, error, attempt, attempts - 1, delay)
             sleep(delay)
     raise AssertionError("unreachable")

@@ -15,6 +15,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from service.retry import RetryPolicy
 from service.store.base import ObjectInfo, ObjectMissing, ObjectStore, StoreUnavailable
 from service.store.layout import check_key
 from service.store.retry import with_retries
@@ -37,14 +38,12 @@ class S3Store(ObjectStore):
         endpoint_url: str | None = None,
         region: str = "us-east-1",
         presign_endpoint_url: str | None = None,
-        attempts: int = 5,
-        backoff_seconds: float = 0.2,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = f"s3://{bucket}/{self.prefix}"
-        self.attempts = attempts
-        self.backoff_seconds = backoff_seconds
+        self.retry = retry or RetryPolicy()
         self.client = self._client(endpoint_url, region)
         # Download links must name a host the client can reach, which may differ from ours.
         self.presigner = self._client(presign_endpoint_url, region) if presign_endpoint_url else self.client
@@ -63,7 +62,7 @@ class S3Store(ObjectStore):
         return self.prefix + check_key(key)
 
     def _retry(self, what: str, call):
-        return with_retries(call, what=what, attempts=self.attempts, base_delay=self.backoff_seconds)
+        return with_retries(call, what=what, policy=self.retry)
 
     def put_bytes(self, key: str, data: bytes, content_type: str | None = None) -> None:
         extra = {"ContentType": content_type} if content_type else {}

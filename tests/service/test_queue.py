@@ -12,6 +12,7 @@ import pytest
 from service.errors import LeaseLost
 from service.jobs import JobStore
 from service.queue import Queue, run_janitor
+from service.retry import RetryPolicy
 from service.runtime import Services
 from service.schemas import JobRequest, Progress
 from service.settings import Settings
@@ -26,7 +27,8 @@ def settings(service_settings: Callable[..., Settings]) -> Settings:
 
 
 def short_lease_queue(services: Services, max_attempts: int = 3) -> Queue:
-    return Queue(services.redis, services.jobs.keys, lease_seconds=LEASE_SECONDS, max_attempts=max_attempts)
+    policy = RetryPolicy(lease_seconds=LEASE_SECONDS, max_attempts=max_attempts)
+    return Queue(services.redis, services.jobs.keys, policy)
 
 
 async def submit(jobs: JobStore, seed: int = 0, **changes: Any) -> str:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
+from service.retry import RetryPolicy
 from service.store import (
     IncompleteArtifacts,
     LocalStore,
@@ -25,12 +26,16 @@ from tests.support.servers import MotoServer, TcpRelay, free_port
 from tests.support.service import S3_BUCKET
 
 
+def store_policy(attempts: int, backoff_seconds: float) -> RetryPolicy:
+    return RetryPolicy(store_attempts=attempts, store_backoff_seconds=backoff_seconds)
+
+
 @pytest.fixture(params=["local", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
     if request.param == "local":
         return open_store(str(tmp_path / "store"))
     moto: MotoServer = request.getfixturevalue("moto_server")
-    return open_store(f"s3://{S3_BUCKET}/{uuid.uuid4().hex}", moto.url, attempts=2, backoff_seconds=0.05)
+    return open_store(f"s3://{S3_BUCKET}/{uuid.uuid4().hex}", moto.url, retry=store_policy(2, 0.05))
 
 
 def test_put_get_list_exists_delete(store: ObjectStore, tmp_path: Path) -> None:
@@ -95,7 +100,7 @@ def test_s3_download_links_are_presigned_and_work_without_credentials(moto_serve
 
 def test_s3_outage_is_retried_with_backoff_then_reported(tmp_path: Path) -> None:
     port = free_port()  # nothing listens here yet
-    store = open_store(f"s3://{S3_BUCKET}/x", f"http://127.0.0.1:{port}", attempts=3, backoff_seconds=0.1)
+    store = open_store(f"s3://{S3_BUCKET}/x", f"http://127.0.0.1:{port}", retry=store_policy(3, 0.1))
     started = time.monotonic()
     with pytest.raises(StoreUnavailable, match="failed 3 times"):
         store.put_bytes("team-a/jobs/j/log.txt", b"x")
@@ -106,7 +111,7 @@ def test_s3_outage_is_retried_with_backoff_then_reported(tmp_path: Path) -> None
 
 def test_s3_calls_survive_an_outage_shorter_than_the_retries(moto_server: MotoServer) -> None:
     relay = TcpRelay(moto_server.server.port)  # S3 is unreachable until the relay opens
-    store = open_store(f"s3://{S3_BUCKET}/late", f"http://127.0.0.1:{relay.port}", attempts=6, backoff_seconds=0.2)
+    store = open_store(f"s3://{S3_BUCKET}/late", f"http://127.0.0.1:{relay.port}", retry=store_policy(6, 0.2))
     reopen = threading.Timer(0.5, relay.open)
     reopen.start()
     try:
@@ -129,11 +134,11 @@ def test_only_transient_errors_are_retried() -> None:
         return "ok"
 
     delays: list[float] = []
-    assert with_retries(flaky, what="put", attempts=5, base_delay=1.0, sleep=delays.append) == "ok"
+    assert with_retries(flaky, what="put", policy=store_policy(5, 1.0), sleep=delays.append) == "ok"
     assert len(delays) == 2 and 0.8 <= delays[0] <= 1.2 and 1.6 <= delays[1] <= 2.4
     denied = ClientError({"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}, "Put")
     assert not is_transient(denied)
     assert is_transient(EndpointConnectionError(endpoint_url="http://x"))
     with pytest.raises(ClientError):
-        with_retries(lambda: (_ for _ in ()).throw(denied), what="put", attempts=5, base_delay=0, sleep=delays.append)
+        with_retries(lambda: (_ for _ in ()).throw(denied), what="put", policy=store_policy(5, 0), sleep=delays.append)
     assert len(delays) == 2

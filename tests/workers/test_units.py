@@ -14,6 +14,7 @@ import pytest
 from botocore.awsrequest import AWSResponse
 
 from ftc.options import InputError
+from service.retry import RetryPolicy
 from service.store import LocalStore, ObjectStore, S3Store, StoreUnavailable
 from service.store.layout import checkpoint_name, job_prefix, upload_key
 from tests.support.service import S3_BUCKET
@@ -216,7 +217,7 @@ def test_one_actor_per_gpu_or_cpu_actors_without_gpus() -> None:
 
 def test_the_worker_command_loads_neither_ray_nor_torch_until_it_runs() -> None:
     code = (
-        "import sys, cli; cli.build_parser();"
+        "import sys, cli.main; cli.main.build_parser();"
         "print(sorted(m for m in ('ray', 'torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -261,7 +262,8 @@ class _Body:
 
 def test_a_checkpoint_upload_answered_503_is_retried(moto_server) -> None:
     """boto3's upload_file wraps a 5xx answer in S3UploadFailedError; it must still count as transient."""
-    store = S3Store(S3_BUCKET, uuid.uuid4().hex, endpoint_url=moto_server.url, attempts=3, backoff_seconds=0.01)
+    store = S3Store(S3_BUCKET, uuid.uuid4().hex, endpoint_url=moto_server.url,
+                    retry=RetryPolicy(store_attempts=3, store_backoff_seconds=0.01))
     unavailable = [2]
 
     def answer_503(request, **_kwargs):
