@@ -35,19 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.support.servers import start_api, start_redis  # noqa: E402
+from tests.support.service import JOB_REQUEST as REQUEST  # noqa: E402  (the tests' example job, not a copy)
 
 RESULTS = REPO / "benchmarks" / "results"
 API_KEY, TEAM = "bench-key-0123456789", "bench"
 TARGET_RATE, TARGET_P99_MS = 500.0, 100.0
-
-REQUEST = {
-    "model": "smollm2-135m",
-    "method": "ftc",
-    "ratio": 0.4,
-    "calibration": {"dataset": "wikitext2", "samples": 8, "seq_len": 256, "seed": 0},
-    "eval": {"datasets": ["wikitext2"], "seq_len": 256, "max_windows": 4},
-}
-
 
 class RawHttpConnection:
     """A minimal keep-alive HTTP/1.1 client: one connection, one request at a time.
