@@ -36,6 +36,7 @@ class ApiKeys:
             source, text = text, Path(text).read_text()
         entries = [e.strip() for line in text.splitlines() for e in line.split("#", 1)[0].split(",")]
         pairs = []
+        seen: dict[str, tuple[int, str]] = {}
         for number, entry in enumerate((e for e in entries if e), start=1):
             key, _, team = entry.rpartition(":")
             if len(key) < MIN_KEY_LENGTH or any(c.isspace() for c in key):
@@ -46,6 +47,13 @@ class ApiKeys:
             if not _TEAM_RE.match(team):
                 raise ValueError(
                     f"{source}: entry {number}: team {team!r} must be lower-case letters, digits, '-' or '_'"
+                )
+            first, first_team = seen.setdefault(key, (number, team))
+            if first_team != team:
+                # Silently, the last entry would win and the key would open the other team's jobs.
+                raise ValueError(
+                    f"{source}: entries {first} and {number} give one key to two teams ({first_team!r} and "
+                    f"{team!r}); each key must belong to one team"
                 )
             pairs.append((key, team))
         if not pairs:

@@ -6,12 +6,23 @@ workers can trust every stored request. Names come from `ftc.options`, shared wi
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from ftc.options import DATASETS, METHODS, parse_ablations, validate_ratio
+from ftc.options import DATASETS, METHODS, MODEL_ALIASES, parse_ablations, validate_ratio
 from ftc.tasks import TASKS, parse_tasks
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -25,8 +36,91 @@ PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
 MAX_RATIOS = 32
 UPLOAD_SCHEMES = ("s3://", "file://")
 
-_MODEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$"
-_REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,99}$"
+_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+_REVISION = r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}"
+_REVISION_PATTERN = rf"^{_REVISION}$"
+HUB_ID_PATTERN = rf"^{_NAME}/{_NAME}(@{_REVISION})?$"
+"""`org/name`, optionally pinned as `org/name@revision` (a branch, tag or commit)."""
+LOCAL_NAME_PATTERN = rf"^{_NAME}$"
+"""A model folder (or .gguf file) directly under the workers' FTC_MODELS_DIR."""
+_HUB_ID_RE = re.compile(HUB_ID_PATTERN)
+_LOCAL_NAME_RE = re.compile(LOCAL_NAME_PATTERN)
+_MODEL_PATTERN = f"{HUB_ID_PATTERN}|{LOCAL_NAME_PATTERN}"  # aliases are local-looking names
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What submit-time checks need to know of a model: its hidden size and attention heads."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def qkv_params(self) -> int:
+        """Weights of one layer's Q, K and V projections: what the keep ratio is a share of."""
+        return self.hidden * self.head_dim * (self.heads + 2 * self.kv_heads)
+
+
+KNOWN_SHAPES: dict[str, AttentionShape] = {"smollm2-135m": AttentionShape(hidden=576, heads=9, kv_heads=3, head_dim=64)}
+"""The built-in aliases' shapes (their config.json), so the API can check a request without the model."""
+LARGEST_SHAPE = AttentionShape(hidden=65536, heads=512, kv_heads=512, head_dim=128)
+"""Larger than any attention layer in use (the largest hidden sizes are below 32k): a keep ratio whose
+budget rounds to zero even here rounds to zero for every model."""
+
+
+def check_model(name: str) -> str:
+    """A model is a built-in alias, a hub id `org/name[@revision]` (workers look for a folder of that
+    name under their FTC_MODELS_DIR first, then in the Hugging Face cache or on the hub), or the name
+    of a folder directly under FTC_MODELS_DIR. Absolute paths, `..` and anything else are refused
+    here, not by a worker after the job has queued."""
+    hub_id = _HUB_ID_RE.match(name) and ".." not in name and "--" not in name.split("@")[0]
+    if name in MODEL_ALIASES or hub_id or (_LOCAL_NAME_RE.match(name) and ".." not in name):
+        return name
+    shown = name if len(name) <= 100 else name[:100] + "..."
+    raise ValueError(
+        f"model {shown!r} is neither a built-in alias ({', '.join(MODEL_ALIASES)}), a hub id such as "
+        "HuggingFaceTB/SmolLM2-135M (optionally @revision), nor a model name under the workers' FTC_MODELS_DIR; "
+        "paths are not accepted"
+    )
+
+
+def budget_problem(model: str, ratio: float) -> str | None:
+    """Why keep ratio `ratio` leaves `model` no budget at all (int(ratio x Q/K/V weights) is 0), else None."""
+    shape = KNOWN_SHAPES.get(model, LARGEST_SHAPE)
+    if int(ratio * shape.qkv_params) >= 1:
+        return None
+    smallest = 1 / shape.qkv_params
+    whose = f"{model}'s {shape.qkv_params} Q/K/V weights per layer" if model in KNOWN_SHAPES else "any model"
+    return f"ratio {ratio:g} keeps less than one of {whose}; use a ratio of at least {smallest:.3g}"
+
+
+def calibration_problem(model: str, samples: int, seq_len: int) -> str | None:
+    """Why `samples x seq_len` tokens cannot calibrate `model`, else None: fewer tokens than its hidden
+    size leave the activation covariance singular, so the whitened metric is not defined."""
+    shape = KNOWN_SHAPES.get(model)
+    if shape is None or samples * seq_len >= shape.hidden:
+        return None
+    return (
+        f"{samples} x {seq_len} = {samples * seq_len} calibration tokens are fewer than {model}'s hidden size "
+        f"{shape.hidden}; raise samples or seq_len"
+    )
+
+
+def calibration_limit_problems(calibration: Calibration, max_tokens: int, loc: tuple[str, ...]) -> list[dict]:
+    """Validation errors (FastAPI's shape) when `samples x seq_len` is over the deployment's limit.
+
+    A limit of the deployment (FTC_MAX_CALIB_TOKENS, sized for a worker's memory), so the routes
+    check it rather than the request model."""
+    samples, seq_len = calibration.samples, calibration.seq_len
+    if samples * seq_len <= max_tokens:
+        return []
+    message = (
+        f"samples x seq_len = {samples} x {seq_len} = {samples * seq_len} calibration tokens; this service "
+        f"takes at most {max_tokens} (FTC_MAX_CALIB_TOKENS): lower samples or seq_len"
+    )
+    return [{"loc": (*loc, "samples"), "msg": message, "type": "value_error"}]
 
 
 def is_upload_uri(name: str) -> bool:
@@ -48,6 +142,7 @@ def check_dataset(name: str) -> str:
 DatasetName = Annotated[str, AfterValidator(check_dataset)]
 KeepRatio = Annotated[
     float,
+    Strict(),  # `true` or "0.5" is a mistake, not 1.0 or 0.5; a whole number such as 1 is still a number
     AfterValidator(validate_ratio),
     Field(json_schema_extra={"exclusiveMinimum": 0, "maximum": 1}),  # documented; checked by validate_ratio
 ]
@@ -61,18 +156,19 @@ class _Strict(BaseModel):
 
 class Calibration(_Strict):
     dataset: DatasetName = Field("wikitext2", description="A built-in dataset name or an upload URI.")
-    samples: int = Field(64, ge=1, le=4096, description="Calibration sequences.")
-    seq_len: int = Field(512, ge=16, le=16384, description="Tokens per calibration sequence.")
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    samples: int = Field(64, ge=1, le=4096, strict=True, description="Calibration sequences.")
+    seq_len: int = Field(512, ge=16, le=16384, strict=True, description="Tokens per calibration sequence.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)
 
 
 class Evaluation(_Strict):
     datasets: list[DatasetName] = Field(default_factory=lambda: ["wikitext2"], max_length=8)
-    seq_len: int = Field(512, ge=16, le=16384)
-    max_windows: int | None = Field(None, ge=1, le=100_000, description="Cap on evaluation windows.")
+    seq_len: int = Field(512, ge=16, le=16384, strict=True)
+    max_windows: int | None = Field(None, ge=1, le=100_000, strict=True, description="Cap on evaluation windows.")
     # Left out of stored requests when false, so requests (and their idempotency digests) read as before.
     dense_reference: bool = Field(
         False,
+        strict=True,
         exclude_if=lambda value: not value,
         description="Also evaluate the uncompressed model on the same datasets; metrics.json then carries "
         "dense_perplexity. Sweeps set it on one job set per model, for the 'ratio to dense' column.",
@@ -106,14 +202,31 @@ class JobRequest(_Strict):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    model: str = Field(..., pattern=_MODEL_PATTERN, description="A model alias (smollm2-135m) or a hub id (org/name).")
-    revision: str | None = Field(None, pattern=_REVISION_PATTERN)
+    model: Annotated[str, AfterValidator(check_model)] = Field(
+        ...,
+        max_length=300,
+        json_schema_extra={"pattern": _MODEL_PATTERN},  # documented; checked by check_model
+        description="A model alias (smollm2-135m) or a hub id org/name, optionally org/name@revision.",
+    )
+    revision: str | None = Field(
+        None, pattern=_REVISION_PATTERN, description="A branch, tag or commit of a hub model (or write model@revision)."
+    )
     method: Literal[METHODS] = "ftc"  # type: ignore[valid-type]
     ablate: list[str] = Field(default_factory=list, description="FTC components to remove (ablations).")
     ratio: KeepRatio | None = Field(None, description="Keep ratio rho in (0, 1].")
     ratios: list[KeepRatio] | None = Field(None, min_length=1, max_length=MAX_RATIOS)
     calibration: Calibration = Field(default_factory=Calibration)
     evaluation: Evaluation = Field(default_factory=Evaluation, alias="eval")
+    # Left out of stored requests when it is the default, like eval.dense_reference.
+    outputs: list[Literal["compressed", "dense"]] = Field(
+        default_factory=lambda: ["compressed"],
+        min_length=1,
+        max_length=4,
+        exclude_if=lambda value: value == ["compressed"],
+        description="What the job publishes: 'compressed' (always: the artifact, loadable with "
+        "trust_remote_code=True) and optionally 'dense', a stock checkpoint of the base architecture "
+        "under dense/ (no custom code needed, no savings at inference).",
+    )
     priority: Priority = "normal"
 
     @field_validator("ablate", mode="before")
@@ -125,10 +238,49 @@ class JobRequest(_Strict):
             return list(parse_ablations(value))
         raise ValueError("ablate must be a list of names or a comma-separated string")
 
+    @field_validator("revision")
+    @classmethod
+    def _revision_of_a_hub_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        model = info.data.get("model")
+        if value is None or model is None:
+            return value
+        if model in MODEL_ALIASES:
+            raise ValueError(f"model {model!r} is a built-in alias and has no revisions; leave revision out")
+        if "@" in model:
+            raise ValueError(f"model {model!r} already names a revision; give it once, in model or in revision")
+        if "/" not in model:
+            raise ValueError(f"model {model!r} is a folder under FTC_MODELS_DIR, not a hub id; it has no revisions")
+        return value
+
+    @field_validator("outputs")
+    @classmethod
+    def _compressed_always(cls, value: list[str]) -> list[str]:
+        if "compressed" not in value:
+            raise ValueError("outputs must include 'compressed' (the artifact every job publishes); "
+                             "add 'dense' beside it for a stock checkpoint")
+        return list(dict.fromkeys(value))
+
     @field_validator("ratios")
     @classmethod
     def _each_ratio_once(cls, values: list[float] | None) -> list[float] | None:
         return None if values is None else list(dict.fromkeys(values))
+
+    @field_validator("ratio", "ratios")
+    @classmethod
+    def _some_budget(cls, value: float | list[float] | None, info: ValidationInfo) -> float | list[float] | None:
+        model = info.data.get("model")
+        for ratio in [] if value is None or model is None else value if isinstance(value, list) else [value]:
+            if problem := budget_problem(model, ratio):
+                raise ValueError(problem)
+        return value
+
+    @field_validator("calibration")
+    @classmethod
+    def _enough_tokens(cls, value: Calibration, info: ValidationInfo) -> Calibration:
+        model = info.data.get("model")
+        if model is not None and (problem := calibration_problem(model, value.samples, value.seq_len)):
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _one_way_to_give_ratios(self) -> JobRequest:

@@ -9,10 +9,10 @@ from fastapi import APIRouter, Header, HTTPException, Path, Query, Response, sta
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import Jobs, Store, Team
+from api.deps import AppSettings, Jobs, Store, Team
 from api.errors import documented
 from service.ids import ID_PATTERN
-from service.schemas import JobPage, JobRecord, JobRequest, JobStatus, is_upload_uri
+from service.schemas import JobPage, JobRecord, JobRequest, JobStatus, calibration_limit_problems, is_upload_uri
 from service.uploads import upload_problems
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=documented(401, 503))
@@ -49,9 +49,12 @@ async def submit_job(
     team: Team,
     jobs: Jobs,
     store: Store,
+    settings: AppSettings,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
 ) -> Response:
     """Queue a job (with `ratios`, one linked job per ratio; the first is returned)."""
+    if problems := calibration_limit_problems(body.calibration, settings.max_calib_tokens, ("body", "calibration")):
+        raise RequestValidationError(problems)
     if any(is_upload_uri(name) for name in body.datasets()):  # only then is the store consulted
         problems = await asyncio.to_thread(upload_problems, store, team, body)
         if problems:

@@ -12,10 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import Store, Team
+from api.deps import AppSettings, Store, Team
 from api.errors import Problem, documented
 from service.ids import ID_PATTERN
-from service.schemas import is_upload_uri
+from service.schemas import calibration_limit_problems, is_upload_uri
 from service.store import ObjectMissing
 from service.store.layout import check_key
 from service.sweeps import SweepCancelled, SweepRecord, SweepRequest, SweepStore
@@ -70,9 +70,13 @@ async def _require(sweeps: SweepStore, team: str, sweep_id: str, run_id: str | N
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SweepRecord, responses=documented(400))
-async def create_sweep(body: SweepRequest, team: Team, sweeps: Sweeps, store: Store) -> Response:
+async def create_sweep(
+    body: SweepRequest, team: Team, sweeps: Sweeps, store: Store, settings: AppSettings
+) -> Response:
     """Create a campaign. Without `schedule` its first run starts now (the answer lists its cells'
     jobs); with one, runs start at the schedule's times (`next_run_at`), fired by `ftc scheduler`."""
+    if problems := calibration_limit_problems(body.calibration, settings.max_calib_tokens, ("body", "calibration")):
+        raise RequestValidationError(problems)
     if any(is_upload_uri(name) for name in [body.calibration.dataset, *body.evaluation.datasets]):
         problems = await asyncio.to_thread(upload_problems, store, team, job_sets(body)[0])
         if problems:

@@ -7,16 +7,23 @@ Europe/Paris stays at 02:00 local time across daylight-saving changes.
 from __future__ import annotations
 
 import math
+import time
 from datetime import datetime
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterError, croniter
 
 ALIASES = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
 
 
 def check_schedule(expression: str) -> str:
-    """Accept five-field cron expressions and the usual @aliases; seconds fields are refused."""
+    """Accept five-field cron expressions and the usual @aliases that fire at least once; seconds
+    fields are refused.
+
+    A well-formed expression may still name no real day (`0 0 30 2 *`, the 30th of February):
+    croniter accepts it and raises only when asked for the next slot, which made creating such a
+    sweep a 500. Asking for the next slot here makes it a 422 that names the schedule.
+    """
     text = " ".join(expression.split())
     fields = text.split(" ")
     if not (text in ALIASES or (len(fields) == 5 and croniter.is_valid(text))):
@@ -24,6 +31,10 @@ def check_schedule(expression: str) -> str:
             f"schedule {expression!r} is not a cron expression; use five fields "
             "(minute hour day-of-month month day-of-week, e.g. '0 2 * * *') or one of " + ", ".join(ALIASES)
         )
+    try:
+        next_slot(text, "UTC", time.time())
+    except CroniterError:
+        raise ValueError(f"schedule {expression!r} never fires (no date matches it); check the day and month") from None
     return text
 
 

@@ -11,10 +11,29 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ftc.options import METHODS, parse_ablations
-from service.schemas import Calibration, Evaluation, JobRequest, JobStatus, KeepRatio, Priority, Progress
+from service.schemas import (
+    Calibration,
+    Evaluation,
+    JobRequest,
+    JobStatus,
+    KeepRatio,
+    Priority,
+    Progress,
+    budget_problem,
+    calibration_problem,
+)
 from service.sweeps.cron import check_schedule, check_timezone
 
 MAX_MODELS = 16
@@ -33,7 +52,7 @@ def check_model_name(name: str) -> str:
     try:
         JobRequest.model_validate({"model": name, "ratio": 1.0})
     except ValidationError as error:
-        raise ValueError(f"model {name!r}: {error.errors()[0]['msg']}") from None
+        raise ValueError(str(error.errors()[0]["msg"]).removeprefix("Value error, ")) from None
     return name
 
 
@@ -74,13 +93,34 @@ class SweepRequest(BaseModel):
     timezone: str = Field("UTC", max_length=64, description="IANA time zone the schedule is read in.")
     priority: Priority = "normal"
     change_threshold: float = Field(
-        0.02, gt=0, le=10, description="Relative perplexity change that counts as better or worse between runs."
+        0.02,
+        gt=0,
+        le=10,
+        strict=True,
+        description="Relative perplexity change that counts as better or worse between runs.",
     )
 
     @field_validator("models", "methods", "ratios")
     @classmethod
     def _each_once(cls, values: list) -> list:
         return list(dict.fromkeys(values))
+
+    @field_validator("ratios")
+    @classmethod
+    def _some_budget_for_every_model(cls, ratios: list[float], info: ValidationInfo) -> list[float]:
+        for model in info.data.get("models") or []:
+            for ratio in ratios:
+                if problem := budget_problem(model, ratio):
+                    raise ValueError(problem)
+        return ratios
+
+    @field_validator("calibration")
+    @classmethod
+    def _enough_tokens_for_every_model(cls, value: Calibration, info: ValidationInfo) -> Calibration:
+        for model in info.data.get("models") or []:
+            if problem := calibration_problem(model, value.samples, value.seq_len):
+                raise ValueError(problem)
+        return value
 
     @field_validator("ablations", mode="before")
     @classmethod
