@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from api.docs import add_offline_docs
-from api.errors import add_error_handlers
+from api.errors import UnexpectedErrors, add_error_handlers
+from api.gate import RequestGate
 from api.metrics import RequestTimer
 from api.routes import artifacts, dashboard, events, health, jobs, sweeps, uploads
+from api.sse import EventHub
 from service.auth import ApiKeys
 from service.queue import run_janitor
 from service.redis_client import REDIS_DOWN_ERRORS
@@ -28,7 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app; fails at once on unusable settings (no API keys, a bad store URL)."""
+    """Build the app; fails at once on unusable settings (no API keys, a key listed for two teams,
+    a bad store URL)."""
     settings = settings or Settings()
     api_keys = ApiKeys.parse(settings.api_keys)
     store = store_for(settings)
@@ -37,6 +40,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         services = Services.open(settings, store)
         app.state.services = services
+        hub = app.state.event_hub = EventHub(services.redis, services.jobs, settings)
+        hub.start()
         try:
             await services.queue.ensure_group()
         except REDIS_DOWN_ERRORS as error:  # start anyway: /readyz says 503 until Redis is back
@@ -51,6 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             stop.set()
             if janitor is not None:
                 await janitor
+            await hub.close()
             await services.close()
 
     app = FastAPI(
@@ -62,6 +68,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.api_keys = api_keys
+    # The last added runs first: time everything, answer any 500 without dropping the connection,
+    # and check the key and the body size before a route reads the body.
+    app.add_middleware(
+        RequestGate,
+        api_keys=api_keys,
+        max_body_bytes=settings.max_body_bytes,
+        max_upload_bytes=settings.max_upload_bytes,
+    )
+    app.add_middleware(UnexpectedErrors)
     app.add_middleware(RequestTimer)
     add_error_handlers(app)
     for module in (jobs, events, artifacts, uploads, sweeps, health, dashboard):

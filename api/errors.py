@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import IdempotencyConflict, JobNotFound
 from service.redis_client import REDIS_DOWN_ERRORS
@@ -21,6 +22,10 @@ from service.uploads import UploadRejected, UploadTooLarge
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = "5"
+MAX_MESSAGE_CHARS = 300
+"""Longest message kept per invalid field: messages quote what was sent, and a 10 MB field must not
+come back (twice: in `detail` and in `message`) as a 20 MB answer."""
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 class Problem(BaseModel):
@@ -34,7 +39,7 @@ _DESCRIPTIONS = {
     401: "Missing or unknown API key",
     404: "No such job for your team",
     409: "Conflicts with the job's state or an earlier request",
-    413: "Body larger than FTC_MAX_UPLOAD_BYTES",
+    413: "Body larger than FTC_MAX_BODY_BYTES (uploads: FTC_MAX_UPLOAD_BYTES)",
     503: "Redis or the object store is unreachable; nothing was changed, retry later",
 }
 
@@ -51,10 +56,23 @@ def _field(loc: tuple | list) -> str:
     return ".".join(parts) or "body"
 
 
+def shorten(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` cut to at most `limit` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    cut = f"... ({len(text) - limit + 40} characters left out)"
+    return text[: limit - len(cut)] + cut
+
+
 def validation_body(errors: list[dict]) -> dict:
-    """FastAPI's `detail` list (loc, msg, type) plus one `message` line naming each field."""
+    """FastAPI's `detail` list (loc, msg, type) plus one `message` line naming each field.
+
+    The submitted values themselves are never echoed (no `input`), and each message is shortened:
+    a message may quote the value, and the answer must stay small whatever was sent.
+    """
     detail = [
-        {"loc": list(e["loc"]), "msg": str(e["msg"]).removeprefix("Value error, "), "type": e["type"]} for e in errors
+        {"loc": list(e["loc"]), "msg": shorten(str(e["msg"]).removeprefix("Value error, ")), "type": e["type"]}
+        for e in errors
     ]
     message = "; ".join(f"{_field(d['loc'])}: {d['msg']}" for d in detail)
     return {"detail": detail, "message": message}
@@ -79,18 +97,24 @@ async def _upload_rejected(request: Request, error: UploadRejected) -> JSONRespo
     return JSONResponse(validation_body([problem]), status.HTTP_422_UNPROCESSABLE_CONTENT)
 
 
+def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """The methods some route answers at this request's path, asked of the router itself.
+
+    Included routers are nested route objects in FastAPI, so reading `methods` off the top-level
+    routes finds none; matching the path once per method works whatever the nesting.
+    """
+    return [
+        method
+        for method in _METHODS
+        if any(route.matches({**scope, "method": method})[0] == Match.FULL for route in app.router.routes)
+    ]
+
+
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
     """Starlette's answers, except that a 405 lists the methods of every route at that path."""
     if error.status_code != status.HTTP_405_METHOD_NOT_ALLOWED:
         return await http_exception_handler(request, error)
-    allowed = sorted(
-        {
-            method
-            for route in request.app.router.routes
-            if route.matches(request.scope)[0] != Match.NONE
-            for method in getattr(route, "methods", None) or ()
-        }
-    )
+    allowed = allowed_methods(request.app, request.scope)
     return JSONResponse(
         {"detail": f"{request.method} is not allowed here; use {', '.join(allowed)}"},
         status.HTTP_405_METHOD_NOT_ALLOWED,
@@ -118,9 +142,37 @@ async def _store_down(request: Request, error: StoreUnavailable) -> JSONResponse
     )
 
 
-async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return JSONResponse({"detail": "internal error; it has been logged"}, status.HTTP_500_INTERNAL_SERVER_ERROR)
+class UnexpectedErrors:
+    """ASGI middleware answering 500 for an error no handler knows, and keeping the connection.
+
+    Starlette's own last-resort handler re-raises after answering, and uvicorn then closes the
+    keep-alive connection: every client of a bug pays a reconnect. Here the error is logged and
+    answered, and the server never sees it. An error after the answer has started cannot be
+    answered any more; it is raised on, and the server ends that connection.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_and_note_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_start)
+        except Exception:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            answer = {"detail": "internal error; it has been logged"}
+            await JSONResponse(answer, status.HTTP_500_INTERNAL_SERVER_ERROR)(scope, receive, send)
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -132,4 +184,3 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StoreUnavailable, _store_down)
     for error_type in REDIS_DOWN_ERRORS:
         app.add_exception_handler(error_type, _redis_down)
-    app.add_exception_handler(Exception, _unexpected)

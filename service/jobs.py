@@ -162,6 +162,15 @@ def record_from_hash(fields: dict[str, str]) -> JobRecord:
     )
 
 
+def events_from_reply(reply: list | None) -> list[JobEvent]:
+    """The events of an XREAD reply, in stream order."""
+    return [
+        JobEvent(id=entry_id, type=fields["type"], data=json.loads(fields["data"]))
+        for _stream, entries in reply or []
+        for entry_id, fields in entries
+    ]
+
+
 class JobStore:
     """Job records of all teams in one Redis; every read is scoped to the caller's team."""
 
@@ -299,13 +308,10 @@ class JobStore:
             raise LeaseLost(job_id, worker)
 
     async def events(self, job_id: str, after: str = "0-0", block_ms: int | None = None) -> list[JobEvent]:
-        """Events newer than `after`, waiting up to `block_ms` for the first one when there are none."""
+        """Events newer than `after` (at most 100), waiting up to `block_ms` for the first one when
+        there are none. The API's event streams never block here: they share one reader (api/sse.py)."""
         reply = await self.redis.xread({self.keys.events(job_id): after}, count=100, block=block_ms)
-        return [
-            JobEvent(id=entry_id, type=fields["type"], data=json.loads(fields["data"]))
-            for _stream, entries in reply or []
-            for entry_id, fields in entries
-        ]
+        return events_from_reply(reply)
 
     async def status_counts(self) -> dict[str, int]:
         """Jobs per status over all teams."""

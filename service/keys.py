@@ -37,6 +37,10 @@ class Keys:
     def events(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}:events"
 
+    def job_id_of_events(self, key: str) -> str:
+        """The job whose event stream `key` is (the inverse of `events`)."""
+        return key.removeprefix(f"{self.prefix}:job:").removesuffix(":events")
+
     def team_jobs(self, team: str) -> str:
         return f"{self.prefix}:team:{team}:jobs"
 

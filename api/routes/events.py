@@ -4,17 +4,35 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import StreamingResponse
+from pydantic import AfterValidator
 
 from api.deps import Jobs, Team
 from api.errors import documented
 from api.routes.jobs import JobId
-from api.sse import job_event_stream
+from api.sse import EventHub, job_event_stream
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=documented(401, 503))
 
 _EVENT_ID_PATTERN = r"^\d{1,20}-\d{1,20}$"
+_LARGEST_PART = 2**64 - 1
+"""Both halves of a Redis stream id are unsigned 64-bit numbers; 20 digits can say more than that."""
+
+
+def check_event_id(value: str | None) -> str | None:
+    if value is not None and any(int(part) > _LARGEST_PART for part in value.split("-")):
+        raise ValueError(f"both parts of an event id are at most {_LARGEST_PART}; send an id the stream gave you")
+    return value
+
+
+EventId = Annotated[
+    str | None, Header(alias="Last-Event-ID", pattern=_EVENT_ID_PATTERN), AfterValidator(check_event_id)
+]
+
+
+async def get_hub(request: Request) -> EventHub:
+    return request.app.state.event_hub
 
 
 @router.get(
@@ -29,13 +47,14 @@ async def job_events(
     job_id: JobId,
     team: Team,
     jobs: Jobs,
-    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", pattern=_EVENT_ID_PATTERN)] = None,
+    hub: Annotated[EventHub, Depends(get_hub)],
+    last_event_id: EventId = None,
 ) -> StreamingResponse:
     """Replays the job's events (after Last-Event-ID, if sent), then streams new ones; the stream
     ends after the job's final status."""
-    await jobs.require(team, job_id)
+    record = await jobs.require(team, job_id)
     return StreamingResponse(
-        job_event_stream(jobs, team, job_id, after=last_event_id or "0-0"),
+        job_event_stream(hub, jobs, record, after=last_event_id or "0-0"),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, Response, status
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api import metrics
 from api.deps import ServicesDep
@@ -14,7 +15,13 @@ from service.redis_client import REDIS_DOWN_ERRORS
 
 router = APIRouter(tags=["health"])
 
-READY_TIMEOUT_SECONDS = 3.0
+
+def reason(error: BaseException, timeout: float) -> str:
+    """What /readyz says of a failed check. A timeout carries no message of its own (a hung Redis
+    once gave `"redis": "unreachable: "`), so it is named by the wait."""
+    if isinstance(error, (asyncio.TimeoutError, RedisTimeoutError)):
+        return f"unreachable: no answer within {timeout:g} s"
+    return f"unreachable: {str(error) or type(error).__name__}"
 
 
 @router.get("/healthz")
@@ -23,18 +30,20 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "Redis or the object store is unreachable"}})
+@router.get("/readyz", responses={503: {"description": "Redis or the object store is unreachable; says why"}})
 async def readyz(services: ServicesDep) -> JSONResponse:
-    """Ready when Redis answers a PING and the object store answers a check."""
+    """Ready when Redis answers a PING and the object store answers a check, each within the Redis
+    timeout (FTC_REDIS_TIMEOUT_SECONDS)."""
+    timeout = services.settings.redis_timeout_seconds
     checks = {"redis": "ok", "store": "ok"}
     try:
-        await asyncio.wait_for(services.redis.ping(), READY_TIMEOUT_SECONDS)
+        await asyncio.wait_for(services.redis.ping(), timeout)
     except (*REDIS_DOWN_ERRORS, asyncio.TimeoutError) as error:
-        checks["redis"] = f"unreachable: {error or 'timeout'}"
+        checks["redis"] = reason(error, timeout)
     try:
-        await asyncio.wait_for(asyncio.to_thread(services.store.check), READY_TIMEOUT_SECONDS)
+        await asyncio.wait_for(asyncio.to_thread(services.store.check), timeout)
     except Exception as error:
-        checks["store"] = f"unreachable: {error or 'timeout'}"
+        checks["store"] = reason(error, timeout)
     ready = all(value == "ok" for value in checks.values())
     code = status.HTTP_200_OK if ready else status.HTTP_503_SERVICE_UNAVAILABLE
     return JSONResponse({"status": "ready" if ready else "not ready", **checks}, code)

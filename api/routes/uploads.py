@@ -10,7 +10,7 @@ from api.deps import AppSettings, Store, Team
 from api.errors import documented
 from service.schemas import Upload
 from service.store.layout import FILENAME_PATTERN
-from service.uploads import UploadTooLarge, save_upload
+from service.uploads import save_upload
 
 router = APIRouter(prefix="/v1/uploads", tags=["uploads"], responses=documented(401, 503))
 
@@ -36,8 +36,8 @@ async def upload_calibration_file(
     store: Store,
     settings: AppSettings,
 ) -> Upload:
-    """Store the request body (UTF-8 text, .txt or .jsonl); use the returned `uri` as a dataset."""
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > settings.max_upload_bytes:
-        raise UploadTooLarge(f"upload is larger than the limit of {settings.max_upload_bytes} bytes")
+    """Store the request body (UTF-8 text, .txt or .jsonl); use the returned `uri` as a dataset.
+
+    `api.gate.RequestGate` has refused a body announced larger than FTC_MAX_UPLOAD_BYTES already;
+    `save_upload` stops one sent without a length as soon as it passes the limit."""
     return await save_upload(store, team, filename, request.stream(), settings.max_upload_bytes)

@@ -58,7 +58,7 @@ def test_uploads_that_cannot_be_calibration_text_are_refused(api_factory) -> Non
         ({"filename": "../calib.txt"}, b"text", 422, "filename"),
         ({"filename": "calib.txt"}, b"", 422, "empty"),
         ({"filename": "calib.txt"}, b"\xff\xfe binary", 422, "UTF-8"),
-        ({"filename": "calib.txt"}, b"x" * 1001, 413, "limit of 1000 bytes"),
+        ({"filename": "calib.txt"}, b"x" * 1001, 413, "larger than 1000 bytes (FTC_MAX_UPLOAD_BYTES)"),
     ]
     for params, content, status, words in cases:
         response = client.post("/v1/uploads", params=params, content=content)
