@@ -83,7 +83,7 @@ def _plan(block: dict, f, dtype: torch.dtype) -> list[_Tensor]:
             inputs = spec["shapes"]["U1" if spec["kind"] == "tucker" else "A"][0]
             heads = spec.get("heads", [])
             for i, proj in enumerate(spec["proj"]):
-                outputs = heads[i] * block["head_dim"] if spec["kind"] == "tucker" else spec["shapes"]["B"][1]
+                outputs = heads[i] * block["head_dim"] if heads else spec["shapes"]["B"][1]
                 name = f"{layers_path}.{entry['index']}.{names[proj]}.weight"
                 plan[name] = _Tensor(name, (outputs, inputs), dtype, layer=entry["index"], proj=proj)
     return [plan[name] for name in sorted(plan)]

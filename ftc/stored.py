@@ -1,11 +1,11 @@
 """The stored form of a compressed attention layer (ftc-method.md §9) and the modules it runs as.
 
 A layer is a list of *groups*. Each group covers one or more projections and is either
-`tucker` (`U1`, `U2`, and a dense `core` or `core_values` + bit-packed `core_mask`) or `lowrank`
-(`A`, `B`). The compressing process builds its modules from these stored tensors through
-`build_modules`, with the same classes (`ftc/hf/modeling_ftc.py`) that the loader and the
-checkpoint's own remote code use, so a reloaded artifact computes exactly what the compressor
-measured.
+`tucker` (`U1`, `U2`, and a dense `core` or `core_values` + bit-packed `core_mask`), `cp` (`A`,
+`B`, `C`: the rank-R CP variant) or `lowrank` (`A`, `B`). The compressing process builds its
+modules from these stored tensors through `build_modules`, with the same classes
+(`ftc/hf/modeling_ftc.py`) that the loader and the checkpoint's own remote code use, so a
+reloaded artifact computes exactly what the compressor measured.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .cp import CPFactors
 from .hf.modeling_ftc import FactorGroup, GroupProjection, held_values, make_group, projections
 from .tucker import TuckerFactors
 
@@ -31,6 +32,12 @@ def tucker_tensors(factors: TuckerFactors, dtype: torch.dtype) -> dict[str, torc
         out["core_values"] = factors.core[factors.mask].to(dtype).contiguous()
         out["core_mask"] = pack_mask(factors.mask)
     return out
+
+
+def cp_tensors(factors: CPFactors, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors of a CP group, cast to the storage dtype: `A (d x R)`, `B (dh x R)`, `C (S x R)`."""
+    return {"A": factors.a.to(dtype).contiguous(), "B": factors.b.to(dtype).contiguous(),
+            "C": factors.c.to(dtype).contiguous()}
 
 
 def lowrank_tensors(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -9,6 +9,8 @@ that read their columns out of the group they belong to (their biases keep their
   `core_values` + the bit-packed `core_mask`) computes the latent `x @ U1` once per forward for all
   its projections, then every slice through the core and `U2^T` in two more GEMMs. The sparse core
   stays in its stored form; each forward scatters it into a transient dense matrix.
+- A CP group (`A (d x R)`, `B (dh x R)`, `C (S x R)`) computes the latent `x @ A` once, scales it
+  per slice by the rows of `C` and maps every slice back through `B^T` in one more GEMM.
 - A low-rank group (`A (in x r)`, `B (r x out)`) runs as two thin GEMMs.
 
 The runtime holds exactly the stored tensors (the mask as bytes), so `runtime_values` equals the
@@ -93,16 +95,30 @@ class LowRankGroup(FactorGroup):
         return {self.members[0]: (0, self.B.shape[1])}
 
 
-class TuckerGroup(FactorGroup):
-    """`y_s = (x @ U1) G_s U2^T` for every slice `s`, the latent `x @ U1` computed once.
-
-    Slices are query heads, then key heads, then value heads of the members in order; with the
-    `kv_repeat` ablation each key/value head appears `kv_repeat` times and the copies are averaged.
-    """
+class SlicedGroup(FactorGroup):
+    """A group whose output is head slices: query heads, then key heads, then value heads."""
 
     def __init__(self, spec: dict) -> None:
         super().__init__(spec)
         self.heads = tuple(spec["heads"])
+
+    def column_ranges(self, head_dim: int) -> dict[str, tuple[int, int]]:
+        ranges, start = {}, 0
+        for proj, heads in zip(self.members, self.heads, strict=True):
+            ranges[proj] = (start, start + heads * head_dim)
+            start += heads * head_dim
+        return ranges
+
+
+class TuckerGroup(SlicedGroup):
+    """`y_s = (x @ U1) G_s U2^T` for every slice `s`, the latent `x @ U1` computed once.
+
+    With the `kv_repeat` ablation each key/value head appears `kv_repeat` times and the copies
+    are averaged.
+    """
+
+    def __init__(self, spec: dict) -> None:
+        super().__init__(spec)
         self.kv_repeat = int(spec.get("kv_repeat", 1))
         self.slices, self.r1, self.r2 = spec["shape"]
 
@@ -133,12 +149,18 @@ class TuckerGroup(FactorGroup):
             y = torch.cat(parts, dim=-2)
         return y.flatten(-2)
 
-    def column_ranges(self, head_dim: int) -> dict[str, tuple[int, int]]:
-        ranges, start = {}, 0
-        for proj, heads in zip(self.members, self.heads, strict=True):
-            ranges[proj] = (start, start + heads * head_dim)
-            start += heads * head_dim
-        return ranges
+
+class CPGroup(SlicedGroup):
+    """`y_s = ((x @ A) * c_s) @ B^T` for every slice `s`: the rank-R CP `W_s = A diag(c_s) B^T`.
+
+    The latent `x @ A` is computed once for all slices; the per-slice scaling and `B^T` are one
+    broadcast product and one GEMM over every slice at once.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        latent = x @ self.A.to(x.dtype)  # (..., R)
+        y = (latent.unsqueeze(-2) * self.C.to(x.dtype)) @ self.B.to(x.dtype).T  # (..., S, dh)
+        return y.flatten(-2)
 
 
 class GroupProjection(nn.Module):
@@ -172,8 +194,12 @@ class GroupProjection(nn.Module):
         return f"{self.proj}: columns {self.start}:{self.stop} of a {type(self.group).__name__}"
 
 
+GROUP_KINDS: dict[str, type[FactorGroup]] = {"tucker": TuckerGroup, "cp": CPGroup, "lowrank": LowRankGroup}
+"""Runtime class of each stored group kind."""
+
+
 def make_group(spec: dict) -> FactorGroup:
-    return TuckerGroup(spec) if spec["kind"] == "tucker" else LowRankGroup(spec)
+    return GROUP_KINDS[spec["kind"]](spec)
 
 
 def group_name(spec: dict) -> str:
