@@ -133,12 +133,15 @@ def plot(results: dict) -> bytes:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["all", "main", "ablations", "timing", "render"], default="all")
+    parser.add_argument("--part", choices=["all", "main", "ablations", "timing", "render", "tasks"], default="all")
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.8, 0.6, 0.4, 0.2])
     parser.add_argument("--ablation-ratios", type=float, nargs="*", default=[0.6, 0.2])
     parser.add_argument("--methods", nargs="*", default=list(METHODS))
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RESULTS / "quality.json")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="--part tasks: first N documents of each task, the same for every row (default: all)")
+    parser.add_argument("--task-batch-size", type=int, default=8, help="--part tasks: documents per forward pass")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -152,6 +155,16 @@ def main() -> None:
     source = resolve_model(base.model)
     model, tokenizer = load_model(source)
     loaded = (model, tokenizer, source)
+    if args.part == "tasks":  # downstream accuracy table, benchmarks/quality_tasks.py
+        from quality_tasks import run_tasks_part
+
+        def options_for(method: str, ratio: float) -> CompressOptions:
+            return CompressOptions(**{**base.__dict__, "method": method, "ratio": ratio})
+
+        out = args.out if args.out != RESULTS / "quality.json" else RESULTS / "tasks.json"
+        run_tasks_part(loaded, base, options_for, args.methods, args.ratios, args.limit, args.task_batch_size, out,
+                       MODEL)
+        return
     test_ids = tokenize(tokenizer, load_text("wikitext2", "test"))
 
     def save() -> None:

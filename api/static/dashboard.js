@@ -400,14 +400,21 @@ async function showReport(sweepId, run) {
 
 function renderResults(results) {
   const datasets = results.datasets;
+  // Downstream accuracy columns (lm-eval): each task asked, then their mean.
+  const tasks = results.tasks && results.tasks.length ? [...results.tasks, "avg"] : [];
+  const denseAccuracy = results.dense_accuracy || {};
+  const percent = (value) => (value == null ? "-" : (100 * value).toFixed(1));
   const header = ["model", "method", "rho", ...datasets.flatMap((d) => [`ppl ${d}`, "x dense"]),
-    "attention MiB", "model reduction", "seconds"];
+    ...tasks.map((t) => `acc ${t} %`), "attention MiB", "model reduction", "seconds"];
   $("#results thead").replaceChildren(el("tr", {}, ...header.map((h) => el("th", {}, h))));
   const fmt = (value, digits) => (value == null ? "" : Number(value).toFixed(digits));
   const rows = [];
-  for (const [model, dense] of Object.entries(results.dense)) {
+  for (const model of new Set([...Object.keys(results.dense), ...Object.keys(denseAccuracy)])) {
+    const dense = results.dense[model] || {};
+    const accuracy = denseAccuracy[model] || {};
     rows.push(el("tr", { className: "dense" }, el("td", {}, model), el("td", {}, "dense"), el("td", {}, "1"),
       ...datasets.flatMap((d) => [el("td", {}, fmt(dense[d], 3)), el("td", {}, dense[d] == null ? "" : "1.00x")]),
+      ...tasks.map((t) => el("td", {}, percent(accuracy[t]))),
       el("td", {}), el("td", {}), el("td", {})));
   }
   for (const row of results.rows) {
@@ -417,6 +424,7 @@ function renderResults(results) {
         el("td", {}, row.perplexity[d] == null ? row.status : fmt(row.perplexity[d], 3)),
         el("td", {}, row.ratio_to_dense[d] == null ? "" : `${fmt(row.ratio_to_dense[d], 2)}x`),
       ]),
+      ...tasks.map((t) => el("td", {}, percent((row.accuracy || {})[t]))),
       el("td", {}, row.attention_bytes == null ? "" : (row.attention_bytes / 1048576).toFixed(2)),
       el("td", {}, row.model_reduction == null ? "" : `${(100 * row.model_reduction).toFixed(1)}%`),
       el("td", {}, fmt(row.seconds, 0)),
@@ -431,9 +439,11 @@ function renderComparison(comparison) {
     box.replaceChildren(el("p", { className: "hint" }, "First finished run of this campaign: nothing to compare yet."));
     return;
   }
-  const line = (c) => el("li", {},
-    `${c.model} ${c.method} rho ${c.ratio} (${c.dataset}): ${c.before.toFixed(3)} → ${c.after.toFixed(3)} ` +
-    `(${c.relative > 0 ? "+" : ""}${(100 * c.relative).toFixed(1)}%)`);
+  const line = (c) => el("li", {}, c.metric === "accuracy"
+    ? `${c.model} ${c.method} rho ${c.ratio} (acc ${c.dataset}): ${(100 * c.before).toFixed(1)}% → ` +
+      `${(100 * c.after).toFixed(1)}% (${c.points > 0 ? "+" : ""}${(100 * c.points).toFixed(1)} pts)`
+    : `${c.model} ${c.method} rho ${c.ratio} (${c.dataset}): ${c.before.toFixed(3)} → ${c.after.toFixed(3)} ` +
+      `(${c.relative > 0 ? "+" : ""}${(100 * c.relative).toFixed(1)}%)`);
   box.replaceChildren(
     el("h3", {}, `Since run ${comparison.previous_run}`),
     el("p", {}, `${comparison.worse.length} worse, ${comparison.better.length} better, ` +

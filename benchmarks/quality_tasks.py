@@ -1,0 +1,124 @@
+"""`quality.py --part tasks`: downstream accuracy through lm-eval of the dense model and of every
+method at each keep ratio, in the layout of the paper's zero-shot table (ARC-e, ARC-c, HellaSwag,
+PIQA, BoolQ, MathQA and their average, "avg6").
+
+Each cell is compressed with `ftc.compress`, written as an artifact, reloaded from disk in its
+factorized form and scored by lm-eval on the `ftc_<task>` configs (`ftc.downstream`). Every row
+uses the same `--limit` (the first N documents of each task); the standard error of each score is
+lm-eval's, and that of avg6 combines the six as independent estimates. Finished cells are kept in
+the JSON and skipped on re-runs with the same limit, so an interrupted run resumes.
+Writes benchmarks/results/tasks.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ftc.artifact import load_artifact
+from ftc.compress import CompressOptions, compress
+from ftc.downstream import evaluate_tasks
+from ftc.tasks import AVG6
+
+COLUMNS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwag", "piqa": "PIQA",
+           "boolq": "BoolQ", "mathqa": "MathQA"}
+
+
+def score_cell(model, tokenizer, limit: int | None, batch_size: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    scores = evaluate_tasks(model, tokenizer, AVG6, limit=limit, batch_size=batch_size)
+    return {**scores, "eval_seconds": round(time.perf_counter() - started, 1)}
+
+
+def compressed_cell(loaded, options: CompressOptions, limit: int | None, batch_size: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest = compress(options, Path(tmp) / "artifact", loaded=loaded, progress=False)
+        model, _, _ = load_artifact(Path(tmp) / "artifact")
+        cell = score_cell(model, loaded[1], limit, batch_size)
+    return {**cell, "compress_seconds": manifest["compress_seconds"],
+            "model_reduction": manifest["storage"]["model_reduction"]}
+
+
+def _percent(value: float | None, stderr: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}" + ("" if stderr is None else f" ±{100 * stderr:.1f}")
+
+
+def render(results: dict[str, Any], model_name: str, methods: Sequence[str]) -> str:
+    """The table: one row per (rho, method) with each task's acc and avg6, dense first."""
+    cells = results["cells"]
+    limits = {c["limit"] for c in cells.values()} | ({results["dense"]["limit"]} if "dense" in results else set())
+    limit = next(iter(limits)) if len(limits) == 1 else None
+    scope = f"the first {limit} documents of each task" if limit else "each task's full split"
+    lines = [f"# Downstream accuracy: {model_name}, lm-eval zero-shot", "",
+             f"Accuracy (%, lm-eval's `acc`) on {scope} (`--limit {limit}`), ± lm-eval's standard error; "
+             "avg6 is the mean of the six, its error that of a mean of independent estimates. "
+             "Tasks read the local files in `$FTC_DATA_DIR/tasks/` through the shipped `ftc_<task>` configs.", "",
+             "| rho | method | " + " | ".join(COLUMNS.values()) + " | avg6 | vs dense |",
+             "|---|---|" + "---|" * (len(COLUMNS) + 2)]
+
+    def row(label: str, method: str, cell: dict[str, Any]) -> str:
+        scores = [_percent(cell["tasks"][t]["acc"], cell["tasks"][t]["acc_stderr"]) for t in COLUMNS]
+        dense = results.get("dense")
+        delta = f"{100 * (cell['avg'] - dense['avg']):+.1f}" if dense and cell is not dense else "-"
+        return f"| {label} | {method} | " + " | ".join(scores) + f" | {_percent(cell['avg'], cell['avg_stderr'])} " \
+            f"| {delta} |"
+
+    if "dense" in results:
+        lines.append(row("1.0", "dense", results["dense"]))
+    for ratio in sorted({c["ratio"] for c in cells.values()}, reverse=True):
+        for method in methods:
+            if (cell := cells.get(f"{method}@{ratio}")) is not None:
+                lines.append(row(str(ratio), method, cell))
+    lines += ["", "Each cell: `ftc.compress` -> artifact on disk -> reloaded (factorized) -> lm-eval. "
+              "Produced by `benchmarks/quality.py --part tasks`.", ""]
+    return "\n".join(lines)
+
+
+def _write(path: Path, text: str) -> None:
+    """Atomically: a killed run never leaves a half-written table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_tasks_part(
+    loaded,
+    base: CompressOptions,
+    options_for: Callable[[str, float], CompressOptions],
+    methods: Sequence[str],
+    ratios: Sequence[float],
+    limit: int | None,
+    batch_size: int,
+    out: Path,
+    model_name: str,
+) -> None:
+    """Fill `out` (JSON) cell by cell: the dense model, then every method at each ratio, in that order."""
+    results = json.loads(out.read_text()) if out.exists() else {"cells": {}}
+    results["calibration"] = f"{base.calib_samples} x {base.seq_len} tokens of {base.calib}, seed {base.seed}"
+
+    def save() -> None:
+        _write(out, json.dumps(results, indent=2))
+        _write(out.with_suffix(".md"), render(results, model_name, methods))
+
+    if results.get("dense", {}).get("limit", -1) != limit:
+        results["dense"] = score_cell(loaded[0], loaded[1], limit, batch_size)
+        print("dense", f"avg6 {results['dense']['avg']:.4f}", flush=True)
+        save()
+    for ratio in ratios:
+        for method in methods:
+            key = f"{method}@{ratio}"
+            if results["cells"].get(key, {}).get("limit", -1) == limit:
+                continue
+            cell = compressed_cell(loaded, options_for(method, ratio), limit, batch_size)
+            results["cells"][key] = {"method": method, "ratio": ratio, **cell}
+            print(key, f"avg6 {cell['avg']:.4f}", flush=True)
+            save()
+    print(render(results, model_name, methods))
