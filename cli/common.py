@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cli.client import ApiClient, ApiError
+from service.schemas import PRIORITIES
 
 EXIT_ERROR = 2
 EXIT_JOB_UNSUCCESSFUL = 1
@@ -19,6 +20,25 @@ EXIT_JOB_UNSUCCESSFUL = 1
 
 class UsageError(Exception):
     """A problem with the user's input: reported in one line, exit code 2."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, except a default of None: there the help text says
+    what happens without the flag (the API's default, the first page, ...)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Give `parser` and every parser below it (`ftc jobs ls`, ...) the `HelpFormatter`."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                show_defaults(sub)
 
 
 def fail(message: str) -> int:
@@ -76,6 +96,10 @@ def writable_out(out: str) -> Path:
     except OSError:
         raise UsageError(f"--out {out}: {parent} is not writable; choose another folder") from None
     return path
+
+
+def add_priority_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--priority", choices=PRIORITIES, help="queue priority (default: the API's, normal)")
 
 
 def add_calibration_and_eval_flags(parser: argparse.ArgumentParser) -> None:

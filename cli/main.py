@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from cli import compress, evaluate, export, service, sweeps, worker
-from cli.common import UsageError, fail
+from cli.common import UsageError, fail, show_defaults
 from ftc import __version__
 from ftc.options import InputError
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMANDS:
         module.register(sub)
+    show_defaults(parser)  # one place, so a new command's flags show their defaults too
     return parser
 
 

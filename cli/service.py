@@ -16,6 +16,7 @@ from cli.client import ApiClient
 from cli.common import (
     EXIT_JOB_UNSUCCESSFUL,
     add_calibration_and_eval_flags,
+    add_priority_flag,
     calibration_and_eval,
     client_command,
     csv,
@@ -23,6 +24,7 @@ from cli.common import (
     print_json,
     ratios,
 )
+from ftc.options import METHODS
 
 # --- serve -------------------------------------------------------------------------------------------
 
@@ -135,14 +137,14 @@ def _jobs_watch(client: ApiClient, args: argparse.Namespace) -> int:
 
 def _add_submit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model alias (smollm2-135m) or hub id")
-    parser.add_argument("--revision")
-    parser.add_argument("--method", default="ftc")
+    parser.add_argument("--revision", help="hub commit, branch or tag of --model (default: the newest)")
+    parser.add_argument("--method", default="ftc", help=f"ftc or a baseline: {', '.join(METHODS)}")
     ratio = parser.add_mutually_exclusive_group(required=True)
     ratio.add_argument("--ratio", type=float, help="keep ratio in (0, 1]")
     ratio.add_argument("--ratios", type=ratios, help="several keep ratios, one linked job each: 0.3,0.5")
     parser.add_argument("--ablate", help="FTC components to remove, comma-separated")
     add_calibration_and_eval_flags(parser)
-    parser.add_argument("--priority", choices=("high", "normal", "low"))
+    add_priority_flag(parser)
     parser.add_argument(
         "--idempotency-key",
         default=None,
@@ -154,8 +156,8 @@ def _add_submit_flags(parser: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `serve`, `submit` and `jobs` to the `ftc` command line."""
     serve = subparsers.add_parser("serve", help="run the job API (needs Redis; see docs/service.md)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     serve.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     serve.set_defaults(func=_serve)
 
@@ -166,11 +168,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     jobs = subparsers.add_parser("jobs", help="list, inspect, cancel or follow jobs")
     actions = jobs.add_subparsers(dest="jobs_command", required=True, metavar="{ls,get,cancel,watch}")
     ls = actions.add_parser("ls", help="list your team's jobs, newest first")
-    ls.add_argument("--status", choices=("queued", "running", "succeeded", "failed", "cancelled"))
-    ls.add_argument("--limit", type=int, default=50)
-    ls.add_argument("--cursor")
+    ls.add_argument("--status", choices=("queued", "running", "succeeded", "failed", "cancelled"),
+                    help="only jobs in this status (default: all)")
+    ls.add_argument("--limit", type=int, default=50, help="jobs per page")
+    ls.add_argument("--cursor", help="next_cursor of the previous page (default: the first page)")
     ls.add_argument("--all", action="store_true", help="follow next_cursor to the end")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
     ls.set_defaults(func=_jobs_ls)
     for name, func, text in (
         ("get", _jobs_get, "print a job record"),
@@ -178,5 +181,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("watch", _jobs_watch, "follow a job's events until it ends (exit 0 if it succeeded)"),
     ):
         action = actions.add_parser(name, help=text)
-        action.add_argument("job_id")
+        action.add_argument("job_id", help="the job's id, as `ftc submit` or `ftc jobs ls` print it")
         action.set_defaults(func=func)

@@ -16,6 +16,7 @@ from cli.client import ApiClient
 from cli.common import (
     EXIT_JOB_UNSUCCESSFUL,
     add_calibration_and_eval_flags,
+    add_priority_flag,
     calibration_and_eval,
     client_command,
     csv,
@@ -135,6 +136,9 @@ def _scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+SWEEP_ID_HELP = "the sweep's id, as `ftc sweep create` or `ftc sweep ls` print it"
+
+
 def _add_create_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", required=True, help="comma-separated model aliases or hub ids")
     parser.add_argument("--ratios", required=True, type=ratios, help="keep ratios, e.g. 0.8,0.6,0.4,0.2")
@@ -147,7 +151,7 @@ def _add_create_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", help="cron expression, e.g. '0 2 * * *' (default: run once, now)")
     parser.add_argument("--timezone", help="IANA time zone of the schedule (default UTC)")
     parser.add_argument("--name", help="a label for people, e.g. nightly")
-    parser.add_argument("--priority", choices=("high", "normal", "low"))
+    add_priority_flag(parser)
     parser.add_argument("--change-threshold", type=float, help="relative change reported as better/worse (0.02)")
 
 
@@ -162,13 +166,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.set_defaults(func=_create)
 
     ls = actions.add_parser("ls", help="list your team's sweeps, newest first")
-    ls.add_argument("--limit", type=int, default=20)
-    ls.add_argument("--cursor")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--limit", type=int, default=20, help="sweeps per page")
+    ls.add_argument("--cursor", help="next_cursor of the previous page (default: the first page)")
+    ls.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
     ls.set_defaults(func=_ls)
 
     get = actions.add_parser("get", help="print a sweep with every cell of its latest run (or --run)")
-    get.add_argument("sweep_id")
+    get.add_argument("sweep_id", help=SWEEP_ID_HELP)
     get.add_argument("--run", help="a run id")
     get.set_defaults(func=_get)
 
@@ -178,17 +182,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("files", _files, "list the sweep's result tables and plots"),
     ):
         action = actions.add_parser(name, help=text)
-        action.add_argument("sweep_id")
+        action.add_argument("sweep_id", help=SWEEP_ID_HELP)
         action.set_defaults(func=func)
 
     download = actions.add_parser("download", help="save one of the sweep's files")
-    download.add_argument("sweep_id")
+    download.add_argument("sweep_id", help=SWEEP_ID_HELP)
     download.add_argument("name", help="a name from `ftc sweep files`, e.g. results.csv or runs/RUN/plot.png")
     download.add_argument("-o", "--out", help="where to write it (default: its file name, here)")
     download.set_defaults(func=_download)
 
     watch = actions.add_parser("watch", help="follow a run until it ends and its report is written")
-    watch.add_argument("sweep_id")
+    watch.add_argument("sweep_id", help=SWEEP_ID_HELP)
     watch.add_argument("--run", help="a run id (default: the latest)")
     watch.add_argument("--interval", type=float, default=5.0, help="seconds between checks")
     watch.set_defaults(func=_watch)
