@@ -1,16 +1,18 @@
-"""Peak host memory of a streamed compression against the checkpoint size, at two depths.
+"""Peak host memory of a streamed compression, for two layer shapes, at two depths each.
 
-    .venv/bin/python benchmarks/memory.py                 # 22 and 44 layers (~2.2 and ~4.2 GB)
-    .venv/bin/python benchmarks/memory.py --layers 2 4    # a quick look
+    .venv/bin/python benchmarks/memory.py                                  # the default cases below
+    .venv/bin/python benchmarks/memory.py --cases tinyllama-1.1b:2,4      # a quick look
 
-Builds synthetic checkpoints with the layer shape of TinyLlama-1.1B (hidden 2048, MLP 5632,
-32 query heads sharing 4 K/V heads; float16, random weights, several safetensors shards,
-SmolLM2's tokenizer), at its real depth (22 layers) and at twice that, compresses each with
-`ftc compress` in a child process run under `/usr/bin/time -v`, and reads the child's peak
-resident set size from outside. Calibration is one default batch (8 x 512 tokens): the
-activation transients are those of a full run; only the stream itself (tokens x hidden x 4
-bytes) grows with more samples.
-Writes benchmarks/results/memory.{json,md}. Target: peak RSS <= 40% of the checkpoint, flat in depth.
+Builds synthetic Llama checkpoints (float16, random weights, several safetensors shards,
+SmolLM2's tokenizer) with the layer shape of TinyLlama-1.1B (hidden 2048, MLP 5632, 32 query
+heads sharing 4 K/V heads) or of a Llama/Mistral 7B (hidden 4096, MLP 14336, 32 query heads
+sharing 8 K/V heads), compresses each with `ftc compress` in a child process run under
+`/usr/bin/time -v`, and reads the child's peak resident set size from outside. Only one layer
+is ever resident, so the peak is one layer's work plus a fixed runtime and must not grow with
+depth: each shape runs at two depths to show that. Calibration is one default batch (8 x 512
+tokens): the activation transients are those of a full run; only the stream itself (tokens x
+hidden x 4 bytes) grows with more samples.
+Writes benchmarks/results/memory.{json,md}. Targets: peak RSS per shape in `SHAPES`, flat in depth.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ import torch
 from safetensors.torch import save_file
 
 RESULTS = Path(__file__).parent / "results"
-TARGET = 0.40
+SHAPES = {
+    "tinyllama-1.1b": {"hidden": 2048, "intermediate": 5632, "heads": 32, "kv_heads": 4, "target_bytes": 1.0e9},
+    "llama-7b": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "target_bytes": 1.6e9},
+}
+"""Layer shapes and their peak-RSS targets (decimal GB, as reported)."""
+CASES = ("tinyllama-1.1b:11,22", "llama-7b:2,4")
+"""Default `shape:depth,depth` cases: the peak must be the same at both depths."""
 
 
 def build_checkpoint(folder: Path, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
@@ -93,60 +101,76 @@ def peak_rss(command: list[str]) -> tuple[int, float, str]:
 
 
 def render(rows: list[dict], settings: dict) -> str:
-    lines = ["# Memory: peak resident memory while compressing, against the checkpoint size", "",
+    lines = ["# Memory: peak resident memory while compressing", "",
              f"Synthetic Llama-layout checkpoints, float16 safetensors shards, random weights: {settings}.",
-             "Peak RSS of the `ftc compress` process, read by `/usr/bin/time -v` from outside.", "",
-             "| layers | checkpoint (GB) | peak RSS (GB) | RSS / checkpoint | target | seconds |",
-             "|---|---|---|---|---|---|"]
+             "Peak RSS of the `ftc compress` process, read by `/usr/bin/time -v` from outside "
+             "(seconds are wall time on a machine shared with other jobs).", "",
+             "| shape | layers | checkpoint (GB) | peak RSS (GB) | RSS / checkpoint | target | seconds |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = r["peak_rss_bytes"] / r["checkpoint_bytes"]
-        lines.append(f"| {r['layers']} | {r['checkpoint_bytes'] / 1e9:.2f} | {r['peak_rss_bytes'] / 1e9:.2f} | "
-                     f"{ratio:.1%} | {'met' if ratio <= TARGET else 'MISSED'} (<= {TARGET:.0%}) | {r['seconds']:.0f} |")
-    if len(rows) >= 2:
-        first, last = rows[0], rows[-1]
-        lines += ["", f"From {first['layers']} to {last['layers']} layers the checkpoint grows "
-                  f"{last['checkpoint_bytes'] / first['checkpoint_bytes']:.2f}x and the peak "
-                  f"{last['peak_rss_bytes'] / first['peak_rss_bytes']:.2f}x: the peak is set by one layer's work "
-                  "plus a fixed runtime (Python, torch, tokenizer), not by depth."]
-    lines += ["", "Produced by `benchmarks/memory.py`.", ""]
+        target = SHAPES[r["shape"]]["target_bytes"]
+        lines.append(f"| {r['shape']} | {r['layers']} | {r['checkpoint_bytes'] / 1e9:.2f} | "
+                     f"{r['peak_rss_bytes'] / 1e9:.2f} | {r['peak_rss_bytes'] / r['checkpoint_bytes']:.1%} | "
+                     f"{'met' if r['peak_rss_bytes'] <= target else 'MISSED'} (<= {target / 1e9:.1f} GB) | "
+                     f"{r['seconds']:.0f} |")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        runs = [r for r in rows if r["shape"] == shape]
+        if len(runs) >= 2:
+            first, last = runs[0], runs[-1]
+            lines += ["", f"{shape}: from {first['layers']} to {last['layers']} layers the checkpoint grows "
+                      f"{last['checkpoint_bytes'] / first['checkpoint_bytes']:.2f}x and the peak "
+                      f"{last['peak_rss_bytes'] / first['peak_rss_bytes']:.2f}x."]
+    lines += ["", "The peak is set by one layer's work plus a fixed runtime (Python, torch, transformers), "
+              "not by depth. Produced by `benchmarks/memory.py`.", ""]
     return "\n".join(lines)
+
+
+def parse_case(text: str) -> tuple[str, list[int]]:
+    """`shape:depth,depth` -> (shape, depths)."""
+    shape, _, depths = text.partition(":")
+    if shape not in SHAPES or not depths:
+        raise argparse.ArgumentTypeError(f"case {text!r}: use SHAPE:DEPTH[,DEPTH...] with SHAPE in {', '.join(SHAPES)}")
+    try:
+        return shape, [int(d) for d in depths.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"case {text!r}: depths must be integers") from None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, nargs="*", default=[22, 44])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--cases", type=parse_case, nargs="*", default=[parse_case(c) for c in CASES],
+                        help=f"SHAPE:DEPTH[,DEPTH...] (default: {' '.join(CASES)})")
     parser.add_argument("--method", default="ftc")
     parser.add_argument("--calib-samples", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--workdir", type=Path, default=None, help="where checkpoints are built (default: /tmp)")
     parser.add_argument("--out", type=Path, default=RESULTS / "memory.json")
     args = parser.parse_args()
-    settings = {"hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
-                "kv_heads": args.kv_heads, "method": args.method, "ratio": 0.4,
-                "calibration": f"{args.calib_samples} x {args.seq_len}"}
+    settings = {"method": args.method, "ratio": 0.4, "calibration": f"{args.calib_samples} x {args.seq_len}",
+                "shapes": {name: {k: v for k, v in shape.items() if k != "target_bytes"}
+                           for name, shape in SHAPES.items()}}
     rows = []
     root = Path(tempfile.mkdtemp(dir=args.workdir))
     try:
-        for layers in args.layers:
+        for name, layers in ((name, d) for name, depths in args.cases for d in depths):
+            shape = SHAPES[name]
             folder = root / f"llama-{layers}"
-            checkpoint = build_checkpoint(folder, layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
+            checkpoint = build_checkpoint(folder, layers, shape["hidden"], shape["intermediate"], shape["heads"],
+                                          shape["kv_heads"])
             command = [sys.executable, "-m", "cli", "compress", "--model", str(folder), "--method", args.method,
                        "--ratio", "0.4", "--calib-samples", str(args.calib_samples), "--seq-len", str(args.seq_len),
                        "--device", "cpu", "--quiet", "--out", str(root / f"out-{layers}")]
             rss, seconds, _ = peak_rss(command)
-            rows.append({"layers": layers, "checkpoint_bytes": checkpoint, "peak_rss_bytes": rss, "seconds": seconds,
-                         "ratio": rss / checkpoint})
+            rows.append({"shape": name, "layers": layers, "checkpoint_bytes": checkpoint, "peak_rss_bytes": rss,
+                         "seconds": seconds, "ratio": rss / checkpoint})
             print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(folder)
             shutil.rmtree(root / f"out-{layers}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"settings": settings, "target": TARGET, "rows": rows}, indent=2))
+    args.out.write_text(json.dumps({"settings": settings, "targets": {k: v["target_bytes"] for k, v in SHAPES.items()},
+                                    "rows": rows}, indent=2))
     args.out.with_suffix(".md").write_text(render(rows, settings))
     print(render(rows, settings))
 

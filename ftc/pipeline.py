@@ -250,6 +250,7 @@ def compress_layer(
             x.update(capture_input(layer, layout.q, h, kw))
     phases.lap("statistics")
     qkv_groups, qkv_report = method.qkv({p: weights[p] for p in "qkv"}, x, layout)
+    del x  # spent: the context pass below allocates its own Grams
     qkv_modules = _modules(qkv_groups, biases, layout, compute_dtype)
     phases.lap("qkv")
     ctx = contexts = None
@@ -263,7 +264,7 @@ def compress_layer(
     phases.lap("statistics")
     o_group, o_report = method.o(weights["o"], ctx, layout)
     replacements = {**qkv_modules, **_modules([o_group], biases, layout, compute_dtype)}
-    del x, ctx  # the Grams are spent; propagation below is the layer's other memory peak
+    del ctx  # the Grams are spent; propagation below is the layer's other memory peak
     if trim:
         trim_host_memory()
     phases.lap("o")

@@ -6,6 +6,7 @@ batched products summed over slices, float64 Grams) and the way the library comp
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ftc.metric import Moments, Whitening
@@ -125,6 +126,10 @@ def test_float32_chunk_grams_equal_float64_grams():
     assert moments.gram_sum.dtype == D and moments.count == rows.shape[0]
     torch.testing.assert_close(moments.gram, rows.T @ rows / rows.shape[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(moments.abs_mean, rows.abs().mean(0), rtol=1e-6, atol=1e-7)
+    # normalised in place once: a second read gives the same Gram, a late update is refused
+    torch.testing.assert_close(moments.gram, rows.T @ rows / rows.shape[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="normalised"):
+        moments.update(batches[0])
 
 
 def test_blockwise_16bit_linear_equals_the_float32_linear(monkeypatch):
