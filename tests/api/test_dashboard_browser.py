@@ -16,6 +16,7 @@ import pytest
 from service.schemas import Progress
 from tests.support.service import JOB_REQUEST, TEAM_KEYS, Api
 from tests.support.sweeps import SWEEP_REQUEST, scheduler_pass, work_queue
+from tests.support.tools import require_tool
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -43,11 +44,8 @@ def browser() -> Iterator:
         from playwright.sync_api import sync_playwright
     except ImportError:
         binary = None
-    if binary is None:
-        message = "no Chromium for the browser test (make setup installs it; FTC_CHROMIUM names another)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message + "; CI must run the dashboard in a real browser", pytrace=False)
-        pytest.skip(message)
+    binary = require_tool("Chromium (with Playwright)", "make setup installs it as root; FTC_CHROMIUM names another",
+                          binary or False)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=binary, args=CHROMIUM_ARGS, headless=True)
         yield browser

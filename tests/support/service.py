@@ -4,17 +4,16 @@ example job request, and a way to act as a worker on a fresh event loop."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
-import pytest
 
 from service.runtime import Services
 from service.settings import Settings
 from tests.support.servers import redis_server_binary
+from tests.support.tools import require_tool
 
 T = TypeVar("T")
 
@@ -26,11 +25,8 @@ S3_BUCKET = "ftc-test"
 
 def require_redis_server() -> None:
     """Skip without redis-server, except under CI=true, where a missing Redis is a failure."""
-    if redis_server_binary() is None:
-        message = "redis-server is not installed (make setup installs it)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message + "; CI must run the service tests against a real Redis", pytrace=False)
-        pytest.skip(message)
+    require_tool("redis-server", "make setup installs it (as root); the service tests need a real Redis",
+                 redis_server_binary())
 
 
 def run_async(settings: Settings, work: Callable[[Services], Awaitable[T]]) -> T:
