@@ -6,7 +6,6 @@ workers can trust every stored request. Names come from `ftc.options`, shared wi
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -22,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from ftc.hub import parse_hub_id
 from ftc.options import DATASETS, METHODS, MODEL_ALIASES, parse_ablations, validate_ratio
 from ftc.tasks import TASKS, parse_tasks
 
@@ -36,16 +36,7 @@ PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
 MAX_RATIOS = 32
 UPLOAD_SCHEMES = ("s3://", "file://")
 
-_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
-_REVISION = r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}"
-_REVISION_PATTERN = rf"^{_REVISION}$"
-HUB_ID_PATTERN = rf"^{_NAME}/{_NAME}(@{_REVISION})?$"
-"""`org/name`, optionally pinned as `org/name@revision` (a branch, tag or commit)."""
-LOCAL_NAME_PATTERN = rf"^{_NAME}$"
-"""A model folder (or .gguf file) directly under the workers' FTC_MODELS_DIR."""
-_HUB_ID_RE = re.compile(HUB_ID_PATTERN)
-_LOCAL_NAME_RE = re.compile(LOCAL_NAME_PATTERN)
-_MODEL_PATTERN = f"{HUB_ID_PATTERN}|{LOCAL_NAME_PATTERN}"  # aliases are local-looking names
+_REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,99}$"
 
 
 @dataclass(frozen=True)
@@ -71,18 +62,17 @@ budget rounds to zero even here rounds to zero for every model."""
 
 
 def check_model(name: str) -> str:
-    """A model is a built-in alias, a hub id `org/name[@revision]` (workers look for a folder of that
-    name under their FTC_MODELS_DIR first, then in the Hugging Face cache or on the hub), or the name
-    of a folder directly under FTC_MODELS_DIR. Absolute paths, `..` and anything else are refused
-    here, not by a worker after the job has queued."""
-    hub_id = _HUB_ID_RE.match(name) and ".." not in name and "--" not in name.split("@")[0]
-    if name in MODEL_ALIASES or hub_id or (_LOCAL_NAME_RE.match(name) and ".." not in name):
+    """A model is a built-in alias or a hub id `org/name[@revision]`, exactly what a worker opens
+    (`workers.inputs.model_spec`: a folder of that name under its FTC_MODELS_DIR first, then the
+    Hugging Face cache or hub). Anything else, paths included, is refused here rather than by a
+    worker after the job has queued; `ftc.hub` holds the one rule of what a hub id is."""
+    if name in MODEL_ALIASES or parse_hub_id(name) is not None:
         return name
     shown = name if len(name) <= 100 else name[:100] + "..."
     raise ValueError(
-        f"model {shown!r} is neither a built-in alias ({', '.join(MODEL_ALIASES)}), a hub id such as "
-        "HuggingFaceTB/SmolLM2-135M (optionally @revision), nor a model name under the workers' FTC_MODELS_DIR; "
-        "paths are not accepted"
+        f"model {shown!r} is neither a built-in alias ({', '.join(MODEL_ALIASES)}) nor a hub id such as "
+        "HuggingFaceTB/SmolLM2-135M (optionally @revision; a folder of that name under the workers' "
+        "FTC_MODELS_DIR is used first); paths are not accepted"
     )
 
 
@@ -205,7 +195,6 @@ class JobRequest(_Strict):
     model: Annotated[str, AfterValidator(check_model)] = Field(
         ...,
         max_length=300,
-        json_schema_extra={"pattern": _MODEL_PATTERN},  # documented; checked by check_model
         description="A model alias (smollm2-135m) or a hub id org/name, optionally org/name@revision.",
     )
     revision: str | None = Field(
@@ -248,8 +237,8 @@ class JobRequest(_Strict):
             raise ValueError(f"model {model!r} is a built-in alias and has no revisions; leave revision out")
         if "@" in model:
             raise ValueError(f"model {model!r} already names a revision; give it once, in model or in revision")
-        if "/" not in model:
-            raise ValueError(f"model {model!r} is a folder under FTC_MODELS_DIR, not a hub id; it has no revisions")
+        if parse_hub_id(f"{model}@{value}") is None:
+            raise ValueError(f"revision {value!r} is not a branch, tag or commit name (no '..')")
         return value
 
     @field_validator("outputs")

@@ -65,8 +65,8 @@ create_app(Settings(api_keys={API_KEYS!r}, store_url={str(tmp_path)!r}))
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "ray", "ftc", "transformers"))))
 """
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True)
-    # Only the light name registries: option names and the downstream task names.
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["ftc", "ftc.options", "ftc.tasks"]
+    # Only the light name registries: option names, hub-id syntax and the downstream task names.
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["ftc", "ftc.hub", "ftc.options", "ftc.tasks"]
 
 
 def test_bad_settings_fail_when_the_app_is_made(service_settings) -> None:

@@ -202,7 +202,7 @@ def test_listing_pages_newest_first(api: Api) -> None:
             {
                 "ratios": [round(0.01 * i, 2) for i in range(1, 33)],
                 "methods": ["ftc", "svd", "asvd", "svd_llm"],
-                "models": [f"m{i}" for i in range(5)],
+                "models": [f"org/m{i}" for i in range(5)],
             },
             "body",
             "more than 512",

@@ -63,7 +63,8 @@ def test_a_budget_rounds_to_zero_exactly_below_one_weight() -> None:
         ({"model": "my model"}, ("model",), "paths are not accepted"),
         ({"model": "local@main"}, ("model",), "paths are not accepted"),
         ({"revision": "main"}, ("revision",), "alias and has no revisions"),
-        ({"model": "local-model", "revision": "main"}, ("revision",), "has no revisions"),
+        ({"model": "gpt2"}, ("model",), "neither a built-in alias"),
+        ({"model": "org/name", "revision": "a..b"}, ("revision",), "not a branch, tag or commit"),
         ({"model": "org/name@v1", "revision": "v2"}, ("revision",), "give it once"),
         ({"ratio": True}, ("ratio",), "valid number"),
         ({"calibration": {"samples": "8"}}, ("calibration", "samples"), "valid integer"),
@@ -76,7 +77,7 @@ def test_requests_no_worker_can_run_are_refused_naming_the_field(change: dict, f
 
 
 def test_hub_ids_with_revisions_and_enough_tokens_are_accepted() -> None:
-    for model in ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M@main", "org/name@refs/pr/1", "gpt2"):
+    for model in ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M@main", "org/name@refs/pr/1"):
         assert JobRequest.model_validate({"model": model, "ratio": 0.5}).model == model
     pinned = JobRequest.model_validate({"model": "org/name", "revision": "v1.0", "ratio": 0.5})
     assert pinned.revision == "v1.0"

@@ -119,7 +119,7 @@ def test_plots_are_a_png_and_an_svg_with_a_line_per_method_and_the_dense_referen
 
 
 def test_a_whole_report_names_its_run_settings_and_failures() -> None:
-    request = SweepRequest.model_validate({**SWEEP_REQUEST, "models": ["tiny"]})
+    request = SweepRequest.model_validate({**SWEEP_REQUEST, "models": ["org/tiny"]})
     context = RunContext(
         team="team-a",
         sweep_id="swp_x",

@@ -192,7 +192,8 @@ def test_expanders_running_at_once_make_each_job_once(settings: Settings, monkey
         store = SweepStore(services.redis, services.jobs)
         real_expand = SweepStore.expand
         monkeypatch.setattr(SweepStore, "expand", lambda *args: asyncio.sleep(0))  # plan only
-        sweep_id = await create(services, campaign(schedule=None).model_copy(update={"models": ["a", "b", "c"]}))
+        three_models = {"models": ["org/a", "org/b", "org/c"]}
+        sweep_id = await create(services, campaign(schedule=None).model_copy(update=three_models))
         monkeypatch.setattr(SweepStore, "expand", real_expand)
         [(_sweep, run_id)] = await store.open_runs()
         await asyncio.gather(*(store.expand(sweep_id, run_id) for _ in range(3)))
