@@ -90,7 +90,7 @@ def test_create_follow_download_rerun_and_cancel(cli_api: Api, capsys, tmp_path:
 
 
 def test_errors_are_one_line_and_exit_code_2(cli_api: Api, capsys) -> None:
-    assert ftc("sweep", "create", "--models", "m", "--ratios", "1.5") == 2
+    assert ftc("sweep", "create", "--models", "org/m", "--ratios", "1.5") == 2
     assert (
         capsys.readouterr().err.strip()
         == "ftc: error: POST /v1/sweeps answered 422: ratios.0: ratio must be in (0, 1]; got 1.5"
