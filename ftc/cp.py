@@ -1,4 +1,4 @@
-"""Rank-R CP compression of the joint Q/K/V tensor (ftc-method.md §2-§4, §11 and "CP variant").
+"""Rank-R CP compression of the joint Q/K/V tensor (ftc-method.md §14, on the tensor of §2-§4).
 
 The same whitened, slice-balanced `(S, d, dh)` head-concat tensor as FTC (`tucker.py`), but each
 slice is a diagonal mix of R shared rank-1 terms instead of a dense per-slice core:

@@ -1,4 +1,4 @@
-"""CP compression of the joint tensor against its definitions (ftc-method.md §2-§4, CP variant)."""
+"""CP compression of the joint tensor against its definitions (ftc-method.md §14)."""
 
 from __future__ import annotations
 
