@@ -32,8 +32,10 @@ from service.reports.plots import render_plots
 from service.reports.rows import ResultRow
 
 RESULTS = Path(__file__).parent / "results"
-BASELINES = ("svd_llm", "asvd", "svd", "per_matrix")
-METHODS = ("ftc", *BASELINES)
+BASELINES = ("svd_llm", "svd_llm_v2", "asvd", "svd", "per_matrix")
+METHODS = ("ftc", "ftc_global", *BASELINES)
+VARIANTS = {"ftc_global": {"method": "ftc", "allocation": "global"}}
+"""Table columns that are a method with non-default options."""
 MODEL = "SmolLM2-135M-Instruct"
 TIME_TARGET = 2.0
 """FTC's compression time, in dense forward passes over the calibration tokens, to stay under."""
@@ -129,8 +131,10 @@ def run_cell(loaded, test_ids, options: CompressOptions, windows: int) -> dict:
         manifest = compress(options, Path(tmp) / "artifact", loaded=loaded, progress=False)
         model, _, _ = load_artifact(Path(tmp) / "artifact")
         ev = perplexity(model, test_ids, 512, windows, progress=False)
+    label = next((k for k, v in VARIANTS.items() if all(getattr(options, f) == x for f, x in v.items())),
+                 options.method)
     return {
-        "method": options.method, "ratio": options.ratio, "ablation": ",".join(options.ablate),
+        "method": label, "ratio": options.ratio, "ablation": ",".join(options.ablate),
         "ppl": ev["ppl"], "windows": ev["windows"], "tokens": ev["tokens"],
         "compress_seconds": manifest["compress_seconds"],
         "qkv_values_used": manifest["storage"]["qkv_values_used"],
@@ -158,7 +162,7 @@ def render(results: dict) -> str:
         row = dict(zip(METHODS, (cells.get(cell_key(m, r)) for m in METHODS), strict=True))
         vals = [f"{c['ppl']:.2f}" if c else "-" for c in row.values()]
         ftc = row["ftc"]
-        published = lower(ftc, [row["svd_llm"], row["asvd"], row["svd"]])
+        published = lower(ftc, [row["svd_llm"], row["svd_llm_v2"], row["asvd"], row["svd"]])
         ratio = f"{ftc['ppl'] / dense['ppl']:.2f}x" if ftc and dense else "-"
         lines.append(f"| {r} | " + " | ".join(vals) + f" | {published} | {lower(ftc, [row['per_matrix']])} | {ratio} |")
     abl = [c for c in cells.values() if c["ablation"]]
@@ -258,7 +262,7 @@ def main() -> None:
         if key in results["cells"] and results["cells"][key]["windows"] == args.windows:
             continue
         opts = CompressOptions(**{**base.__dict__, "method": method, "ratio": ratio,
-                                  "ablate": (ablation,) if ablation else ()})
+                                  "ablate": (ablation,) if ablation else (), **VARIANTS.get(method, {})})
         results["cells"][key] = run_cell(loaded, test_ids, opts, args.windows)
         print(key, f"{results['cells'][key]['ppl']:.3f}", flush=True)
         save()

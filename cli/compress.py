@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from cli.common import UsageError, writable_out
-from ftc.options import ABLATIONS, DEVICES, DTYPES, METHODS, InputError
+from ftc.options import ABLATIONS, ALLOCATIONS, DEVICES, DTYPES, METHODS, InputError
 
 
 def check_inputs(model: str, device: str, datasets: list[tuple[str, str]]) -> None:
@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             ablate=parse_ablations(args.ablate),
             batch_size=args.batch_size,
+            allocation=args.allocation,
         ).validate()
     except InputError as exc:
         raise UsageError(str(exc)) from None
@@ -89,6 +90,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--device", default="auto", choices=DEVICES, help="where the math runs")
     c.add_argument("--ablate", default="", help=f"comma list of: {', '.join(ABLATIONS)}")
     c.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
+    c.add_argument("--allocation", default="uniform", choices=ALLOCATIONS,
+                   help="rho in every layer (uniform) or one model-wide budget split by measured curves (global)")
     c.add_argument("--out", help="artifact folder (written atomically)")
     c.add_argument("--work-dir", help="keep per-layer checkpoints here; re-running resumes from them")
     c.add_argument("--dry-run", action="store_true", help="print the plan (shapes, budgets, memory) and exit")

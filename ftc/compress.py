@@ -23,8 +23,8 @@ from .artifact import LayerStore, assemble, extra_names, layer_entry, layer_tens
 from .data import calibration_ids, ids_sha256, load_text, tokenize
 from .methods import Method, make_method
 from .models import load_tokenizer, pick_device, resolve_model
-from .options import DTYPES, METHODS, InputError, parse_ablations, validate_ratio
-from .pipeline import compress_layers, layer_inputs
+from .options import ALLOCATIONS, DTYPES, METHODS, InputError, parse_ablations, validate_ratio
+from .pipeline import compress_layers, layer_inputs, planned, survey_layers
 from .weights import (
     ModuleSource,
     load_config,
@@ -48,6 +48,7 @@ class CompressOptions:
     device: str = "auto"
     ablate: tuple[str, ...] = field(default_factory=tuple)
     batch_size: int = 8
+    allocation: str = "uniform"
 
     def validate(self) -> CompressOptions:
         """Check every field before any work starts; messages name the flag and the fix."""
@@ -57,6 +58,10 @@ class CompressOptions:
         self.ablate = parse_ablations(list(self.ablate))
         if self.ablate and self.method != "ftc":
             raise InputError("--ablate applies to --method ftc only")
+        if self.allocation not in ALLOCATIONS:
+            raise InputError(f"unknown allocation {self.allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+        if self.allocation != "uniform" and self.method != "ftc":
+            raise InputError("--allocation global applies to --method ftc only; use --allocation uniform")
         storage_dtype(self.dtype)
         if self.calib_samples < 1 or self.seq_len < 2 or self.batch_size < 1:
             raise InputError("--calib-samples and --batch-size must be >= 1 and --seq-len >= 2")
@@ -118,11 +123,15 @@ def compress(
     weights, tokenizer, source = open_model(options, loaded)
     layout = layout_of(weights.config)
     dtype = storage_dtype(options.dtype)
-    method = make_method(options.method, options.ratio, dtype, options.ablate)
+    method = make_method(options.method, options.ratio, dtype, options.ablate, options.allocation)
     calib = calibration_batch(tokenizer, options, layout.hidden) if method.needs_data else None
+    if method.plans:
+        method = plan_budgets(method, weights, layout, calib, options, device, progress)
     temporary = work_dir is None
-    store = LayerStore(work_dir or out_dir.parent / f".{out_dir.name}.work-{os.getpid()}",
-                       work_description(options, source, weights, calib))
+    description = work_description(options, source, weights, calib)
+    if method.budgets is not None:  # a changed plan must not resume another plan's layers
+        description["plan"] = list(method.budgets)
+    store = LayerStore(work_dir or out_dir.parent / f".{out_dir.name}.work-{os.getpid()}", description)
     try:
         run = compress_to_store(store, weights, layout, method, calib, options, device,
                                 progress=progress, on_layer=on_layer)
@@ -133,6 +142,20 @@ def compress(
             shutil.rmtree(store.folder, ignore_errors=True)
     manifest["total_seconds"] = round(time.perf_counter() - t0, 3)
     return manifest
+
+
+def plan_budgets(method: Method, weights, layout: AttentionLayout, calib: torch.Tensor,
+                 options: CompressOptions, device: torch.device, progress: bool) -> Method:
+    """The statistics pass of a model-wide budget (§13), one original layer resident at a time.
+
+    Deterministic for the same model and calibration, so a resumed run plans the same budgets.
+    """
+    model = skeleton(weights.config)
+    embed = materialize_embedding_rows(model, weights, calib, device)
+    stream = layer_inputs(model, layout, calib, options.batch_size, device)
+    release(model, embed)
+    surveys = survey_layers(model, layout, method, stream, device=device, weights=weights, progress=progress)
+    return planned(method, surveys, layout)
 
 
 def storage_dtype(name: str) -> torch.dtype:
@@ -202,6 +225,8 @@ def build_manifest(options: CompressOptions, method: Method, source, layout: Att
         "options": {**asdict(options), "ablate": list(options.ablate)},
         "ablations": list(options.ablate),
         "choices": method.choices(),
+        "allocation": {"kind": options.allocation,
+                       "layer_budgets": None if method.budgets is None else list(method.budgets)},
         "calibration": None if calib is None else {
             "source": options.calib, "split": "validation", "samples": options.calib_samples,
             "seq_len": options.seq_len, "tokens": calib.numel(), "seed": options.seed,
@@ -227,6 +252,7 @@ def storage_summary(layout: AttentionLayout, entries: list[dict], ratio: float, 
         "qkv_budget_values": n_layers * int(ratio * layout.qkv_params),
         "qkv_values_used": qkv_used,
         "o_budget_values": n_layers * int(ratio * layout.o_params),
+        "attention_budget_values": int(ratio * n_layers * (layout.qkv_params + layout.o_params)),
         "o_values_used": o_used,
         "attention_bytes_written": sum(g["bytes"] for g in groups),
         "original_attention_params": original_attention,
@@ -261,6 +287,8 @@ def plan(options: CompressOptions) -> dict:
         "qkv_shape": [layout.hidden, layout.head_dim, layout.slices],
         "o_shape": [layout.heads * layout.head_dim, layout.hidden],
         "qkv_budget_values_per_layer": int(options.ratio * layout.qkv_params),
+        "allocation": options.allocation,
+        "attention_budget_values": int(options.ratio * n_layers * (layout.qkv_params + layout.o_params)),
         "o_rank": max(1, int(options.ratio * layout.o_params / (layout.heads * layout.head_dim + layout.hidden))),
         "calibration_tokens": tokens,
         "checkpoint_bytes": weights.nbytes,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .metric import WORK_DTYPE, Whitening, guarded_cholesky
+from .metric import DEFAULT_EPS, WORK_DTYPE, Whitening, damped_factors, guarded_fit
 
 
 def budget_rank(rows: int, cols: int, keep_ratio: float) -> int:
@@ -58,34 +58,78 @@ def calibrated_wo(
     gram_st: torch.Tensor,
     w_o: torch.Tensor,
     anchor: float = 0.5,
-    eps: float = 1e-4,
-) -> torch.Tensor:
-    """Teacher-calibrated output projection with teacher-Gram anchoring (§8).
+    eps: float = DEFAULT_EPS,
+) -> tuple[torch.Tensor, float | None]:
+    """Teacher-calibrated output projection with teacher-Gram anchoring (§8), and the `eps` used.
 
     Solves `(A_s^T A_s + a A_t^T A_t) W* = A_s^T A_t W_O + a A_t^T A_t W_O` with every Gram
-    normalised by n. With `A_s == A_t` the solution is `W_O` itself.
+    normalised by n. With `A_s == A_t` the solution is `W_O` itself. The damping of the left side
+    rises tenfold while the solve is not finite (§3); if none is, the pretrained weight is kept
+    and `eps` is None.
     """
     w_o = w_o.to(WORK_DTYPE)
     lhs = gram_ss + anchor * gram_tt
     rhs = (gram_st + anchor * gram_tt) @ w_o
-    chol, _ = guarded_cholesky(lhs, eps)
-    if chol is None:  # a degenerate student: keep the pretrained weight
-        return w_o
-    return torch.cholesky_solve(rhs, chol)
+    for chol, used in damped_factors(lhs, eps):
+        solution = torch.cholesky_solve(rhs, chol)
+        if bool(torch.isfinite(solution).all()):
+            return solution, used
+    return w_o, None
 
 
-def weighted_error(w: torch.Tensor, approx: torch.Tensor, gram: torch.Tensor | None) -> float:
-    """Relative activation-weighted error `tr(dW^T C dW) / tr(W^T C W)` (identity metric if None)."""
+def weighted_error(
+    w: torch.Tensor, approx: torch.Tensor, gram: torch.Tensor | None, balance: bool = False
+) -> float:
+    """Relative activation-weighted error `sum_s a_s tr(dW_s^T C dW_s) / sum_s a_s tr(W_s^T C W_s)`.
+
+    `w` is one matrix `(in, out)` or a stack of slices `(S, in, out)`; the identity metric if
+    `gram` is None. `balance` weighs each slice by `a_s = 1 / tr(W_s^T C W_s)`, so every slice's
+    relative error counts the same (the objective of slice balancing, §4); otherwise `a_s = 1`.
+    """
     w = w.to(WORK_DTYPE)
-    diff = w - approx.to(WORK_DTYPE)
+    w = w if w.dim() == 3 else w[None]
+    diff = w - approx.to(WORK_DTYPE).reshape(w.shape)
     if gram is None:
-        return float(diff.pow(2).sum() / w.pow(2).sum())
-    return float((diff * (gram @ diff)).sum() / (w * (gram @ w)).sum())
+        energy, err = w.pow(2).sum((1, 2)), diff.pow(2).sum((1, 2))
+    else:
+        gram = gram.to(WORK_DTYPE)
+        energy, err = (w * (gram @ w)).sum((1, 2)), (diff * (gram @ diff)).sum((1, 2))
+    weight = 1.0 / energy.clamp_min(torch.finfo(WORK_DTYPE).tiny) if balance else torch.ones_like(energy)
+    return float((weight * err).sum() / (weight * energy).sum())
+
+
+def eig_whitened_svd(w: torch.Tensor, gram: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SVD-LLM V2's loss-optimised truncation: whiten by the Gram's eigendecomposition, not Cholesky.
+
+    `C = U diag(l) U^T`; the SVD of `D = diag(l)^(1/2) U^T W` truncated to `A~ B` gives
+    `A = U diag(l)^(-1/2) A~`, which reaches the minimum `||X (W - A B)||` of rank `rank` (the tail
+    of `D`'s spectrum) with no damping. Eigenvalues are floored at `1e-12 * max(l)`: directions
+    the calibration never excites cost nothing either way.
+    """
+    values, vectors = torch.linalg.eigh(gram.to(WORK_DTYPE))
+    values = values.clamp_min(float(values.max()) * 1e-12)
+    root = values.sqrt()
+    a, b = truncated_svd(root[:, None] * (vectors.T @ w.to(WORK_DTYPE)), rank)
+    return vectors @ (a / root[:, None]), b
+
+
+def guarded_whitened_svd(
+    w: torch.Tensor, gram: torch.Tensor | None, rank: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], Whitening]:
+    """`whitened_svd` under the outcome guard of §3: the reference is the plain truncated SVD."""
+
+    def error(factors: tuple[torch.Tensor, torch.Tensor]) -> float:
+        return weighted_error(w, factors[0] @ factors[1], gram)
+
+    return guarded_fit(gram, lambda white: whitened_svd(w, white, rank), error,
+                       lambda: error(truncated_svd(w, rank)))
 
 
 __all__ = [
     "budget_rank",
     "calibrated_wo",
+    "eig_whitened_svd",
+    "guarded_whitened_svd",
     "scaled_svd",
     "truncated_svd",
     "weighted_error",

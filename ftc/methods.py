@@ -13,15 +13,26 @@ service find it through the registry.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 import torch
 
+from .allocation import Curve, candidate_ratios, choose, heterogeneous_ratios, lowrank_curve, tucker_curve
 from .arch import AttentionLayout
-from .lowrank import ASVD_ALPHA, budget_rank, calibrated_wo, scaled_svd, truncated_svd, whitened_svd
-from .metric import DEFAULT_EPS, MAX_COND, MAX_EPS, Moments, Whitening
+from .lowrank import (
+    ASVD_ALPHA,
+    budget_rank,
+    calibrated_wo,
+    eig_whitened_svd,
+    guarded_whitened_svd,
+    scaled_svd,
+    truncated_svd,
+    weighted_error,
+)
+from .metric import DEFAULT_EPS, GUARD_TOLERANCE, MAX_EPS, WORK_DTYPE, Moments, Whitening, guarded_fit
 from .options import METHODS
 from .stored import lowrank_tensors, tucker_tensors
 from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, compress_tensor, head_concat, head_slices
@@ -52,6 +63,12 @@ class Method:
     keep_ratio: float
     storage_dtype: torch.dtype = torch.float16
     ablations: frozenset[str] = field(default_factory=frozenset)
+    allocation: str = "uniform"
+    """`uniform`: every layer spends `keep_ratio` (the paper); `global`: a model-wide plan (§13)."""
+    budgets: tuple[dict, ...] | None = None
+    """Per-layer stored-value budgets by part ("qkv", "o", or "q"/"k"/"v"), from `plan`."""
+    layer_budget: dict | None = None
+    """The entry of `budgets` for the layer being compressed (set by `at_layer`)."""
     name: ClassVar[str] = ""  # set by @register
     stream = "student"  # which hidden-state stream feeds the statistics (§3)
     needs_data = True
@@ -68,6 +85,41 @@ class Method:
         """The fixed constants this method ran with, for the manifest (none for the base class)."""
         return {}
 
+    @property
+    def plans(self) -> bool:
+        """Whether a statistics pass (`survey`) and a model-wide `plan` come before compression."""
+        return False
+
+    def survey(self, weights: dict[str, torch.Tensor], x: Moments, ctx: ContextStats, residual: float,
+               layout: AttentionLayout) -> dict:
+        """Error-versus-budget data of one original layer on the original model's stream (§13).
+
+        `residual` is the mean squared norm of the layer's input hidden state per token.
+        """
+        raise NotImplementedError
+
+    def plan(self, surveys: list[dict], layout: AttentionLayout) -> list[dict]:
+        """Per-layer budgets (stored values by part) from every layer's survey (§13)."""
+        raise NotImplementedError
+
+    def at_layer(self, index: int) -> Method:
+        """This method with the budgets of layer `index`, when a plan gave it some."""
+        if self.budgets is None:
+            return self
+        return dataclasses.replace(self, layer_budget=self.budgets[index])
+
+    def values(self, part: str, full: int) -> int:
+        """Stored values this layer may spend on `part`: the plan's, else `keep_ratio * full` (§1)."""
+        if self.layer_budget is not None and part in self.layer_budget:
+            return int(self.layer_budget[part])
+        return int(self.keep_ratio * full)
+
+    def rank(self, part: str, rows: int, cols: int) -> int:
+        """Rank of a two-factor `rows x cols` matrix within this layer's budget for `part`."""
+        if self.layer_budget is not None and part in self.layer_budget:
+            return max(1, int(self.layer_budget[part]) // (rows + cols))
+        return budget_rank(rows, cols, self.keep_ratio)
+
     def _lowrank(self, proj: str, a: torch.Tensor, b: torch.Tensor) -> Group:
         return {"kind": "lowrank", "proj": [proj], "rank": a.shape[1]}, lowrank_tensors(
             a, b, self.storage_dtype
@@ -76,7 +128,7 @@ class Method:
     def _per_matrix(self, weights: dict[str, torch.Tensor], factor) -> tuple[list[Group], dict]:
         groups = []
         for proj, w in weights.items():
-            a, b = factor(w, budget_rank(*w.shape, self.keep_ratio))
+            a, b = factor(w, self.rank(proj, *w.shape))
             groups.append(self._lowrank(proj, a, b))
         return groups, {"ranks": {g[0]["proj"][0]: g[0]["rank"] for g in groups}}
 
@@ -108,7 +160,7 @@ def register(name: str) -> Callable[[M], M]:
 
 def whitening_choices() -> dict:
     """The guard constants of the Cholesky whitening (§3), shared by every whitened method."""
-    return {"eps": DEFAULT_EPS, "max_cond": MAX_COND, "max_eps": MAX_EPS}
+    return {"eps": DEFAULT_EPS, "max_eps": MAX_EPS, "guard": "outcome", "guard_tolerance": GUARD_TOLERANCE}
 
 
 @register("svd")
@@ -122,7 +174,7 @@ class SVD(Method):
         return self._per_matrix(weights, truncated_svd)
 
     def o(self, w_o, ctx, layout):
-        rank = budget_rank(*w_o.shape, self.keep_ratio)
+        rank = self.rank("o", *w_o.shape)
         return self._lowrank("o", *truncated_svd(w_o, rank)), {"r_o": rank}
 
 
@@ -140,7 +192,7 @@ class ASVD(Method):
         return self._per_matrix(weights, lambda w, r: scaled_svd(w, x.abs_mean, r))
 
     def o(self, w_o, ctx, layout):
-        rank = budget_rank(*w_o.shape, self.keep_ratio)
+        rank = self.rank("o", *w_o.shape)
         return self._lowrank("o", *scaled_svd(w_o, ctx.teacher.abs_mean, rank)), {"r_o": rank}
 
 
@@ -154,14 +206,61 @@ class SVDLLM(Method):
         return whitening_choices()
 
     def qkv(self, weights, x, layout):
-        whitening = Whitening.from_gram(x.gram)
-        groups, report = self._per_matrix(weights, lambda w, r: whitened_svd(w, whitening, r))
-        return groups, {**report, "eps": whitening.eps}
+        groups, eps = [], {}
+        for proj, w in weights.items():
+            (a, b), whitening = guarded_whitened_svd(w, x.gram, self.rank(proj, *w.shape))
+            groups.append(self._lowrank(proj, a, b))
+            eps[proj] = whitening.eps
+        return groups, {"ranks": {g[0]["proj"][0]: g[0]["rank"] for g in groups}, "eps": eps}
 
     def o(self, w_o, ctx, layout):
-        rank = budget_rank(*w_o.shape, self.keep_ratio)
-        whitening = Whitening.from_gram(ctx.teacher.gram)
-        return self._lowrank("o", *whitened_svd(w_o, whitening, rank)), {"r_o": rank, "eps_o": whitening.eps}
+        rank = self.rank("o", *w_o.shape)
+        factors, whitening = guarded_whitened_svd(w_o, ctx.teacher.gram, rank)
+        return self._lowrank("o", *factors), {"r_o": rank, "eps_o": whitening.eps}
+
+
+@register("svd_llm_v2")
+class SVDLLMV2(Method):
+    """SVD-LLM V2 (§11): heterogeneous per-matrix ratios, loss-optimised (eigen-whitened) truncation.
+
+    The statistics pass computes each matrix's theoretical truncation loss at the uniform ratio on
+    the original model's stream; `plan` spreads the ratio over the layers per matrix type
+    (`ftc.allocation.heterogeneous_ratios`); each matrix is then truncated in its exact metric.
+    """
+
+    stream = "teacher"
+
+    @property
+    def plans(self) -> bool:
+        return True
+
+    def survey(self, weights, x, ctx, residual, layout):
+        losses = {}
+        for proj, w in weights.items():
+            stats = ctx.teacher if proj == "o" else x
+            values, vectors = torch.linalg.eigh(stats.gram)
+            white = values.clamp_min(0).sqrt()[:, None] * (vectors.T @ w.to(WORK_DTYPE))
+            spectrum = torch.linalg.svdvals(white)
+            rank = budget_rank(*w.shape, self.keep_ratio)
+            losses[proj] = float(spectrum[rank:].pow(2).sum() * stats.count) ** 0.5  # ||X (W - W')||_F
+        return {"loss": losses}
+
+    def plan(self, surveys, layout):
+        budgets: list[dict] = [{} for _ in surveys]
+        shapes = {"q": layout.hidden * layout.heads, "k": layout.hidden * layout.kv_heads,
+                  "v": layout.hidden * layout.kv_heads, "o": layout.heads * layout.hidden}
+        for proj, size in shapes.items():
+            losses = torch.tensor([s["loss"][proj] for s in surveys])
+            for budget, keep in zip(budgets, heterogeneous_ratios(losses, self.keep_ratio), strict=True):
+                budget[proj] = int(keep * size * layout.head_dim)
+        return budgets
+
+    def qkv(self, weights, x, layout):
+        return self._per_matrix(weights, lambda w, r: eig_whitened_svd(w, x.gram, r))
+
+    def o(self, w_o, ctx, layout):
+        rank = self.rank("o", *w_o.shape)
+        return self._lowrank("o", *eig_whitened_svd(w_o, ctx.teacher.gram, rank)), {"r_o": rank}
 
 
 @register("ftc")
@@ -190,14 +289,18 @@ class FTC(Method):
                 "allocation_grid": "fixed ranks (ablation)" if "fixed_ranks" in self.ablations else grid}
 
     def _tucker(self, tensor: torch.Tensor, x: Moments, proj: list[str], heads: list[int], budget: int):
-        whitening = Whitening.from_gram(None if "no_whiten" in self.ablations else x.gram)
-        factors, report = compress_tensor(
-            tensor,
-            whitening,
-            budget,
-            balance="no_slice_norm" not in self.ablations,
-            coupled="fixed_ranks" not in self.ablations,
-        )
+        gram = None if "no_whiten" in self.ablations else x.gram
+        balance, coupled = "no_slice_norm" not in self.ablations, "fixed_ranks" not in self.ablations
+
+        def fit(whitening: Whitening, steps: int = PRUNE_STEPS, refits: int = REFITS):
+            return compress_tensor(tensor, whitening, budget, balance=balance, coupled=coupled, steps=steps,
+                                   refits=refits)
+
+        def error(result) -> float:
+            return weighted_error(tensor, result[0].weights(), gram, balance)
+
+        # the guard's reference: the unwhitened allocation (HOSVD + top-K core, no pruning schedule)
+        (factors, report), _ = guarded_fit(gram, fit, error, lambda: error(fit(Whitening(None, None), 1, 0)))
         spec = {"kind": "tucker", "proj": proj, "heads": heads, "shape": list(factors.core.shape)}
         if factors.mask is not None:
             spec["kept"] = int(factors.mask.sum())
@@ -206,7 +309,7 @@ class FTC(Method):
     def qkv(self, weights, x, layout):
         repeat = layout.heads // layout.kv_heads if "kv_repeat" in self.ablations else 1
         tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim, repeat)
-        budget = int(self.keep_ratio * layout.qkv_params)
+        budget = self.values("qkv", layout.qkv_params)
         heads = [layout.heads, layout.kv_heads, layout.kv_heads]
         (spec, tensors), report = self._tucker(tensor, x, ["q", "k", "v"], heads, budget)
         spec["kv_repeat"] = repeat
@@ -221,16 +324,51 @@ class FTC(Method):
         }
 
     def o(self, w_o, ctx, layout):
-        rank = budget_rank(*w_o.shape, self.keep_ratio)
+        rank = self.rank("o", *w_o.shape)
         anchor = self.anchor
-        target = w_o
+        target, eps_solve = w_o, None
         if "no_wo_target" not in self.ablations:
             n = ctx.student.count
-            target = calibrated_wo(ctx.student.gram, ctx.teacher.gram, ctx.cross / n, w_o, anchor)
+            target, eps_solve = calibrated_wo(ctx.student.gram, ctx.teacher.gram, ctx.cross / n, w_o, anchor)
         gram = None if "no_whiten" in self.ablations else ctx.student.gram
-        whitening = Whitening.from_gram(gram)
-        a, b = whitened_svd(target, whitening, rank)
-        return self._lowrank("o", a, b), {"r_o": rank, "eps_o": whitening.eps, "anchor": anchor}
+        (a, b), whitening = guarded_whitened_svd(target, gram, rank)
+        return self._lowrank("o", a, b), {"r_o": rank, "eps_o": whitening.eps, "eps_o_solve": eps_solve,
+                                          "anchor": anchor}
+
+    @property
+    def plans(self) -> bool:
+        return self.allocation == "global"
+
+    def survey(self, weights, x, ctx, residual, layout):
+        """Q/K/V curve from the allocator's prediction, W_O curve from its whitened spectrum (§13).
+
+        Both errors are relative to their own part; `effect` (attention branch energy over residual
+        energy) turns them into a share of the layer's output, comparable across layers.
+        """
+        repeat = layout.heads // layout.kv_heads if "kv_repeat" in self.ablations else 1
+        tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim, repeat)
+        plain = "no_whiten" in self.ablations
+        costs = sorted({int(r * layout.qkv_params) for r in candidate_ratios(self.keep_ratio)})
+        errors = tucker_curve(tensor, Whitening.from_gram(None if plain else x.gram), costs,
+                              balance="no_slice_norm" not in self.ablations)
+        w_o = weights["o"].to(WORK_DTYPE)
+        spectrum = torch.linalg.svdvals(Whitening.from_gram(None if plain else ctx.teacher.gram).apply(w_o))
+        branch = float((w_o * (ctx.teacher.gram @ w_o)).sum())
+        return {"qkv_costs": costs, "qkv_errors": errors, "o_spectrum": spectrum.tolist(),
+                "effect": branch / max(residual, 1e-30)}
+
+    def plan(self, surveys, layout):
+        """One budget for the whole attention stack, split by `ftc.allocation.choose` (§13)."""
+        rows, cols = layout.heads * layout.head_dim, layout.hidden
+        curves = []
+        for i, s in enumerate(surveys):
+            curves.append(Curve(f"{i}.qkv", tuple(s["qkv_costs"]), tuple(s["qkv_errors"]), s["effect"]))
+            curves.append(lowrank_curve(f"{i}.o", torch.tensor(s["o_spectrum"]), rows, cols, self.keep_ratio,
+                                        s["effect"]))
+        total = int(self.keep_ratio * len(surveys) * (layout.qkv_params + layout.o_params))
+        chosen = choose(curves, total)
+        costs = [c.costs[i] for c, i in zip(curves, chosen, strict=True)]
+        return [{"qkv": costs[2 * i], "o": costs[2 * i + 1]} for i in range(len(surveys))]
 
 
 @register("per_matrix")
@@ -255,8 +393,11 @@ class PerMatrix(FTC):
 
 
 def make_method(
-    name: str, keep_ratio: float, storage_dtype: torch.dtype, ablations: tuple[str, ...] = ()
+    name: str, keep_ratio: float, storage_dtype: torch.dtype, ablations: tuple[str, ...] = (),
+    allocation: str = "uniform",
 ) -> Method:
     if ablations and name != "ftc":
         raise ValueError(f"ablations apply to method 'ftc' only; got method {name!r}")
-    return METHOD_CLASSES[name](keep_ratio, storage_dtype, frozenset(ablations))
+    if allocation != "uniform" and name != "ftc":
+        raise ValueError(f"allocation {allocation!r} applies to method 'ftc' only; got method {name!r}")
+    return METHOD_CLASSES[name](keep_ratio, storage_dtype, frozenset(ablations), allocation)

@@ -7,7 +7,10 @@ every activation-weighted objective below into a plain Frobenius one.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -16,10 +19,11 @@ WORK_DTYPE = torch.float64
 
 DEFAULT_EPS = 1e-4
 """Starting damping of the guard, relative to `mean(diag(C))` (§3)."""
-MAX_COND = 1e12
-"""Largest accepted condition number of the damped Gram before `eps` is raised tenfold (§3)."""
 MAX_EPS = 1.0
 """Damping at which the guard gives up and the layer falls back to the identity metric (§3)."""
+GUARD_TOLERANCE = 0.01
+"""Relative excess over the unwhitened fit's error that the guard still accepts (§3): the damping
+itself may cost a whitened fit a little in the undamped metric; instability costs far more."""
 
 
 PRODUCT_DTYPE = torch.float32
@@ -96,42 +100,63 @@ def damp(gram: torch.Tensor, eps: float) -> torch.Tensor:
     return damped
 
 
-def guarded_cholesky(
-    gram: torch.Tensor, eps: float = DEFAULT_EPS, max_cond: float = MAX_COND, max_eps: float = MAX_EPS
-) -> tuple[torch.Tensor | None, float | None]:
-    """Lower-triangular `R` with `damp(C, eps) = R R^T`, escalating `eps` tenfold on failure (§3).
+def damped_factors(
+    gram: torch.Tensor, eps: float = DEFAULT_EPS, max_eps: float = MAX_EPS
+) -> Iterator[tuple[torch.Tensor, float]]:
+    """`(R, eps)` with `damp(C, eps) = R R^T` for `eps`, `10 eps`, ... up to `max_eps` (§3).
 
-    Returns `(R, eps_used)`, or `(None, None)` when even `eps = max_eps` fails: the caller then
-    uses the identity metric for this layer.
+    Damping levels whose factorisation fails or is not finite are skipped; the consumer stops
+    at the first level whose *outcome* it accepts (`guarded_cholesky`, `guarded_fit`).
     """
     gram = gram.to(WORK_DTYPE)
     while eps <= max_eps * (1 + 1e-9):
         chol, info = torch.linalg.cholesky_ex(damp(gram, eps))
-        if int(info) == 0 and condition_number(chol) <= max_cond:
-            return chol, eps
+        if int(info) == 0 and bool(torch.isfinite(chol).all()):
+            yield chol, eps
         eps *= 10.0
-    return None, None
 
 
-def condition_number(chol: torch.Tensor, iterations: int = 50) -> float:
-    """Condition number of `C = R R^T` from its Cholesky factor, by power and inverse iteration.
+def guarded_cholesky(
+    gram: torch.Tensor, eps: float = DEFAULT_EPS, max_eps: float = MAX_EPS
+) -> tuple[torch.Tensor | None, float | None]:
+    """The least-damped finite Cholesky factor, `(R, eps_used)`, or `(None, None)` if none is."""
+    return next(damped_factors(gram, eps, max_eps), (None, None))
 
-    Each step costs two triangular products or one triangular solve, O(d^2), where an
-    eigendecomposition would cost O(d^3); the guard only needs the order of magnitude.
+
+T = TypeVar("T")
+
+
+def guarded_fit(
+    gram: torch.Tensor | None,
+    fit: Callable[[Whitening], T],
+    error: Callable[[T], float],
+    reference: Callable[[], float],
+    eps: float = DEFAULT_EPS,
+    max_eps: float = MAX_EPS,
+) -> tuple[T, Whitening]:
+    """Fit in the whitened metric, raising `eps` tenfold while the outcome is unstable (§3).
+
+    Unstable means a non-finite result, or an error (`error`, measured in the undamped activation
+    metric) above `reference`, the error of an unwhitened fit: whitening exists to lower that
+    error, so a whitened fit that does worse has been spoiled by the conditioning of `C`. A
+    condition-number bound cannot detect this: for a PSD Gram the damped one is at most
+    `d / eps + 1`. Past `max_eps` the identity metric is used (`eps` is then None).
     """
-    if not torch.isfinite(chol).all():
-        return float("inf")
-    start = torch.randn(chol.shape[0], 1, dtype=chol.dtype, generator=torch.Generator().manual_seed(0))
-    start = start.to(chol.device) / start.norm()
-    largest, v = 0.0, start
-    for _ in range(iterations):
-        w = chol @ (chol.T @ v)
-        largest, v = float(w.norm()), w / w.norm()
-    inverse, u = 0.0, start
-    for _ in range(iterations):
-        w = torch.cholesky_solve(u, chol)
-        inverse, u = float(w.norm()), w / w.norm()
-    return largest * inverse
+    identity = Whitening(None, None)
+    if gram is None:
+        return fit(identity), identity
+    bound: float | None = None
+    for chol, used in damped_factors(gram, eps, max_eps):
+        whitening = Whitening(chol, used)
+        result = fit(whitening)
+        measured = error(result)
+        if not math.isfinite(measured):
+            continue
+        if bound is None:
+            bound = reference()
+        if not math.isfinite(bound) or measured <= bound * (1 + GUARD_TOLERANCE):
+            return result, whitening
+    return fit(identity), identity
 
 
 @dataclass(frozen=True)

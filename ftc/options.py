@@ -21,6 +21,7 @@ METHOD_DESCRIPTIONS: dict[str, str] = {
     "svd": "plain truncated SVD of each projection (§11)",
     "asvd": "activation-aware SVD, input channels scaled by mean|x|^0.5 (§11)",
     "svd_llm": "SVD-LLM: Cholesky-whitened SVD of each projection (§11)",
+    "svd_llm_v2": "SVD-LLM V2: per-matrix ratios from the truncation loss, eigen-whitened SVD (§11)",
     "per_matrix": "FTC's metric and W_O with Q, K and V each compressed alone (control)",
 }
 """Compression methods by name: FTC and the baselines of ftc-method.md §11."""
@@ -37,6 +38,10 @@ ABLATIONS: tuple[str, ...] = (
     "kv_repeat",
 )
 """One-at-a-time removals of FTC components (ftc-method.md §3-§8)."""
+
+ALLOCATIONS: tuple[str, ...] = ("uniform", "global")
+"""How `rho` is spread over layers: the same in every layer (the paper), or one model-wide budget
+split by measured error-versus-budget curves (ftc-method.md §13; method `ftc` only)."""
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")

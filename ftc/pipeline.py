@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -332,7 +333,8 @@ def compress_layers(
         if weights is not None:
             materialize(model, name, weights, device, compute_dtype)
         t1 = time.perf_counter()
-        groups, report = compress_layer(layers[index], layout, method, stream, compute_dtype, trim=bounded)
+        groups, report = compress_layer(layers[index], layout, method.at_layer(index), stream, compute_dtype,
+                                        trim=bounded)
         layer_result = LayerResult(index, groups, report, time.perf_counter() - t1, len(layers))
         if "error_refit" in report:
             bar.set_postfix(err=f"{report['error_refit']:.3f}")
@@ -345,6 +347,55 @@ def compress_layers(
             trim_host_memory()
     result.seconds = time.perf_counter() - t0
     return result
+
+
+@torch.no_grad()
+def survey_layers(
+    model: nn.Module,
+    layout: AttentionLayout,
+    method: Method,
+    stream: Stream,
+    *,
+    device: torch.device,
+    weights: WeightSource | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> list[dict]:
+    """The statistics pass of a model-wide budget (§13): every original layer's `method.survey`.
+
+    The original model's stream goes through the original layers (weights materialised one layer
+    at a time, as in `compress_layers`); each layer contributes its Grams, the mean squared norm of
+    its input and so its survey, a few curves of floats. `stream` is advanced: pass a copy.
+    """
+    bounded = weights is not None and not weights.resident
+    layers = decoder_layers(model, layout)
+    surveys = []
+    for index in tqdm(range(len(layers)), desc="survey", unit="layer", disable=not progress):
+        name = f"{layout.layers_path}.{index}"
+        if weights is not None:
+            materialize(model, name, weights, device, compute_dtype)
+        layer = layers[index]
+        original, _ = _weights(layer, layout)
+        x = Moments(layout.hidden, stream.device)
+        energy, rows = 0.0, 0
+        for h, kw in stream.batches():
+            x.update(capture_input(layer, layout.q, h, kw))
+            energy += float(h.double().pow(2).sum())
+            rows += h.numel() // h.shape[-1]
+        ctx, contexts = context_stats(layer, layout, stream, None, keep="teacher")
+        surveys.append(method.survey(original, x, ctx, energy / max(rows, 1), layout))
+        del x, ctx
+        propagate(layer, stream, layout, contexts)
+        if weights is not None:
+            release(model, name)
+            if bounded:
+                trim_host_memory()
+    return surveys
+
+
+def planned(method: Method, surveys: list[dict], layout: AttentionLayout) -> Method:
+    """`method` with the per-layer budgets its `plan` makes of the surveys."""
+    return dataclasses.replace(method, budgets=tuple(method.plan(surveys, layout)))
 
 
 def compress_model(
@@ -360,5 +411,8 @@ def compress_model(
 ) -> PipelineResult:
     """Compress a model that is fully in memory (small models, tests)."""
     stream = layer_inputs(model, layout, calibration, batch_size, device) if method.needs_data else None
+    if method.plans:  # the survey advances its own list of the stream's batches
+        copy = Stream(list(stream.hidden), stream.kwargs, stream.device)
+        method = planned(method, survey_layers(model, layout, method, copy, device=device, progress=progress), layout)
     return compress_layers(model, layout, method, stream, device=device, compute_dtype=compute_dtype,
                            progress=progress)

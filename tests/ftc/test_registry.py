@@ -49,7 +49,7 @@ def test_choices_are_the_defaults_the_code_runs_with():
     """The manifest's `choices` must equal the defaults of the functions that use them."""
     ftc = make_method("ftc", 0.5, torch.float16).choices()
     assert ftc["eps"] == default(metric.guarded_cholesky, "eps") == default(metric.Whitening.from_gram, "eps")
-    assert ftc["max_cond"] == default(metric.guarded_cholesky, "max_cond")
+    assert ftc["guard_tolerance"] == metric.GUARD_TOLERANCE
     assert ftc["max_eps"] == default(metric.guarded_cholesky, "max_eps")
     assert ftc["prune_steps"] == default(tucker.compress_tensor, "steps") == default(tucker.prune_refit, "steps")
     assert ftc["refits"] == default(tucker.compress_tensor, "refits") == default(tucker.prune_refit, "refits")
@@ -57,7 +57,7 @@ def test_choices_are_the_defaults_the_code_runs_with():
     assert ftc["allocation_grid"].startswith(f"{points} x {points // 2} ")
     assert ftc["anchor"] == ANCHOR
     assert make_method("svd_llm", 0.5, torch.float16).choices() == {
-        k: ftc[k] for k in ("eps", "max_cond", "max_eps")}
+        k: ftc[k] for k in ("eps", "max_eps", "guard", "guard_tolerance")}
     assert make_method("asvd", 0.5, torch.float16).choices() == {"alpha": default(lowrank.scaled_svd, "alpha")}
     assert make_method("svd", 0.5, torch.float16).choices() == {}
 
