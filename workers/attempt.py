@@ -30,7 +30,7 @@ from workers.inputs import compress_options, local_dataset, model_spec
 from workers.joblog import JobLog
 from workers.metrics import record_layer
 from workers.progress import ProgressClock
-from workers.publish import finalise, upload_artifact
+from workers.publish import finalise, upload_outputs
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,8 @@ class Attempt:
         evaluated, dense = self._timed("evaluate", lambda: self._evaluate(inputs))
         self.control.check()
         self._report(self.clock.stage("uploading"))
-        files = self._timed("upload", lambda: upload_artifact(self.store, self.prefix, self.artifact))
+        files = self._timed("upload", lambda: upload_outputs(self.store, self.prefix, self.artifact,
+                                                             self.record.request.outputs))
         self.timings["total_seconds"] = round(self.clock.elapsed(), 3)
         metrics = self._metrics(manifest, inputs.layers, evaluated, dense)
         finalise(self.store, self.prefix, manifest, files, metrics)

@@ -3,13 +3,15 @@
 The uploaded `manifest.json` is the library's manifest plus a `files` table (size and sha256 of
 every other file), written by `ObjectStore.finalise` only once all of them are in place, so the
 job folder is a complete artifact exactly when its manifest exists. Downloading the folder (without
-`checkpoints/`) gives what `ftc.artifact.load_artifact` reads.
+`checkpoints/` and `dense/`) gives what `ftc.artifact.load_artifact` and transformers (with
+`trust_remote_code=True`) read; `dense/`, when the job asked for it, is a stock checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,30 @@ def upload_artifact(store: ObjectStore, job_prefix: str, folder: Path) -> dict[s
     for path in sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name != MANIFEST):
         store.put_file(job_prefix + path.name, path, media_type(path.name))
         files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return files
+
+
+DENSE = "dense/"
+"""Where a job's dense export goes, beside the artifact files."""
+
+
+def upload_outputs(store: ObjectStore, job_prefix: str, folder: Path, outputs: list[str]) -> dict[str, dict[str, Any]]:
+    """Upload the artifact and, if `outputs` asks for it, its dense export under `dense/`.
+
+    The export is written next to the artifact folder (streamed, one layer in memory) and
+    removed once uploaded; its files join the manifest's table as `dense/<name>`.
+    """
+    files = upload_artifact(store, job_prefix, folder)
+    if "dense" in outputs:
+        from ftc.export import export_dense
+
+        dense = Path(folder).parent / "dense"
+        try:
+            export_dense(folder, dense, overwrite=True)
+            uploaded = upload_artifact(store, job_prefix + DENSE, dense)
+            files.update({DENSE + name: info for name, info in uploaded.items()})
+        finally:
+            shutil.rmtree(dense, ignore_errors=True)
     return files
 
 

@@ -275,11 +275,22 @@ function applyEvent(jobId, event) {
   return ended;
 }
 
+// What each part of a job's folder is, in the order the listing shows them.
+const ARTIFACT_KINDS = [
+  ["dense/", "dense export: a stock checkpoint (from_pretrained, no custom code)"],
+  ["checkpoints/", "per-layer checkpoints (resume)"],
+  ["", "compressed model (from_pretrained with trust_remote_code=True, or ftc)"],
+];
+
+function artifactKind(name) {
+  return ARTIFACT_KINDS.find(([prefix]) => name.startsWith(prefix));
+}
+
 async function showArtifacts(jobId) {
   try {
     const listing = await (await api(`/v1/jobs/${jobId}/artifacts`)).json();
     $("#artifacts-title").textContent = `Artifacts of ${jobId}` + (listing.complete ? "" : " (incomplete so far)");
-    const items = listing.artifacts.map((artifact) => {
+    const item = (artifact) => {
       const url = new URL(artifact.url, location.href);
       const label = `${artifact.name} (${(artifact.size / 1048576).toFixed(2)} MiB)`;
       // Links into this API need the key; presigned store links do not.
@@ -287,6 +298,10 @@ async function showArtifacts(jobId) {
         ? fileLink(url.pathname, label)
         : el("a", { href: artifact.url, rel: "noreferrer", target: "_blank" }, label);
       return el("li", {}, link);
+    };
+    const items = [...ARTIFACT_KINDS].reverse().flatMap((kind) => {
+      const files = listing.artifacts.filter((artifact) => artifactKind(artifact.name) === kind);
+      return files.length ? [el("li", { className: "artifact-kind" }, el("strong", {}, kind[1])), ...files.map(item)] : [];
     });
     $("#artifacts-list").replaceChildren(...(items.length ? items : [el("li", {}, "nothing written yet")]));
     $("#artifacts").hidden = false;
