@@ -244,12 +244,15 @@ _CLASSES: dict[str, type] = {}
 
 
 def family_names(base_type: str) -> tuple[str, str]:
-    """Class names for a base `model_type`: `FtcLlamaConfig`, `FtcLlamaForCausalLM`, ..."""
+    """Class names for a base `model_type`: `FtcLlamaConfig`, `FtcLlamaForCausalLM`, ...
+
+    Named after the base family's own config and causal LM classes, which need not share a stem
+    (`gemma3_text`: `Gemma3TextConfig`, `Gemma3ForCausalLM`).
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[base_type]
-    stem = lm[: -len("ForCausalLM")]
-    return f"Ftc{stem}Config", f"Ftc{lm}"
+    return f"Ftc{CONFIG_MAPPING_NAMES[base_type]}", f"Ftc{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[base_type]}"
 
 
 def _build_family(base_type: str) -> None:
@@ -284,15 +287,17 @@ def _build_family(base_type: str) -> None:
 def __getattr__(name: str) -> type:
     """Module attribute lookup for `auto_map` entries such as `modeling_ftc.FtcLlamaForCausalLM`."""
     if name.startswith("Ftc") and name not in _CLASSES:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-        for base_type, config_name in CONFIG_MAPPING_NAMES.items():  # the family whose own classes match
-            if base_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and name in family_names(base_type) \
-                    and family_names(base_type)[0] == f"Ftc{config_name}":
-                _build_family(base_type)
-                break
+        candidates = [t for t in CONFIG_MAPPING_NAMES if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                      and name in family_names(t)]
+        # families may share a causal LM class (exaone runs LlamaForCausalLM): the one whose config
+        # class carries the same stem is that class's own family
+        candidates.sort(key=lambda t: not MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t].startswith(
+            CONFIG_MAPPING_NAMES[t][: -len("Config")]))
+        if candidates:
+            _build_family(candidates[0])
     if name in _CLASSES:
         return _CLASSES[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
