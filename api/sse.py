@@ -92,10 +92,6 @@ class EventHub:
         self._interrupted = False
         self._task: asyncio.Task[None] | None = None
 
-    @property
-    def open_streams(self) -> int:
-        return sum(len(followers) for followers in self._followers.values())
-
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="event-hub")
@@ -115,8 +111,8 @@ class EventHub:
         subscription = Subscription(job_id, after)
         self._followers.setdefault(job_id, set()).add(subscription)
         self._changed.set()
-        await self._interrupt_wait(job_id)
-        try:
+        try:  # from here on, a client that goes away (cancellation) must not leave its subscription behind
+            await self._interrupt_wait(job_id)
             yield subscription
         finally:
             followers = self._followers.get(job_id)

@@ -82,16 +82,21 @@ def test_150_open_event_streams_leave_readyz_and_submissions_answering(api: Api,
             finals: list[str] = []
 
             async def follow() -> None:
-                async with http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
-                    opened.append(response.status_code)
-                    async for line in response.aiter_lines():
-                        if line.startswith("data:") and '"succeeded"' in line:
-                            finals.append(line)
+                try:
+                    async with http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+                        opened.append(response.status_code)
+                        async for line in response.aiter_lines():
+                            if line.startswith("data:") and '"succeeded"' in line:
+                                finals.append(line)
+                except httpx.HTTPError as error:
+                    opened.append(-1)
+                    raise AssertionError(f"stream {len(opened)} failed: {error!r}") from error
 
             followers = []
             for wave in range(0, streams, 25):  # as dashboards open them: a few at a time, all staying open
                 followers += [asyncio.create_task(follow()) for _ in range(25)]
-                while len(opened) < wave + 25:
+                deadline = time.monotonic() + 30
+                while len(opened) < wave + 25 and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
             await asyncio.sleep(1.5)  # every stream is now waiting for news
             started = time.perf_counter()
