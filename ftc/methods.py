@@ -22,6 +22,7 @@ import torch
 
 from .allocation import Curve, candidate_ratios, choose, heterogeneous_ratios, lowrank_curve, tucker_curve
 from .arch import AttentionLayout
+from .cp import EXTRAPOLATION_POWER, MAX_SWEEPS, PROXIMAL, TOLERANCE, compress_cp
 from .lowrank import (
     ASVD_ALPHA,
     budget_rank,
@@ -34,7 +35,7 @@ from .lowrank import (
 )
 from .metric import DEFAULT_EPS, GUARD_TOLERANCE, MAX_EPS, WORK_DTYPE, Moments, Whitening, guarded_fit
 from .options import METHODS
-from .stored import lowrank_tensors, tucker_tensors
+from .stored import cp_tensors, lowrank_tensors, tucker_tensors
 from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, compress_tensor, head_concat, head_slices
 
 Group = tuple[dict, dict[str, torch.Tensor]]
@@ -390,6 +391,36 @@ class PerMatrix(FTC):
                 "error_refit": report.error_refit,
             }
         return groups, reports
+
+
+@register("cp")
+class CP(FTC):
+    """The CP variant: FTC's tensor, metric, balancing and W_O, but Q/K/V as a rank-R CP.
+
+    `W_s ~= A diag(c_s) B^T` with R from the same budget, `R (d + dh + S) <= rho d dh S`
+    (ftc-method.md §14); everything but the Q/K/V factorisation is FTC's.
+    """
+
+    def choices(self) -> dict:
+        return {**whitening_choices(), "anchor": self.anchor, "als_max_sweeps": MAX_SWEEPS,
+                "als_tolerance": TOLERANCE, "als_proximal": PROXIMAL,
+                "als_extrapolation_power": EXTRAPOLATION_POWER, "init": "hosvd heaviest core fibres"}
+
+    def qkv(self, weights, x, layout):
+        tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim)
+        budget = self.values("qkv", layout.qkv_params)
+        factors, report = compress_cp(tensor, Whitening.from_gram(x.gram), budget)
+        spec = {"kind": "cp", "proj": ["q", "k", "v"], "heads": [layout.heads, layout.kv_heads, layout.kv_heads],
+                "rank": report.rank}
+        return [(spec, cp_tensors(factors, self.storage_dtype))], {
+            "R": report.rank,
+            "eps": report.eps,
+            "error_init": report.error_init,
+            "error_fit": report.error,
+            "sweeps": report.sweeps,
+            "extrapolated": report.extrapolated,
+            "qkv_budget": budget,
+        }
 
 
 def make_method(

@@ -23,6 +23,7 @@ METHOD_DESCRIPTIONS: dict[str, str] = {
     "svd_llm": "SVD-LLM: Cholesky-whitened SVD of each projection (§11)",
     "svd_llm_v2": "SVD-LLM V2: per-matrix ratios from the truncation loss, eigen-whitened SVD (§11)",
     "per_matrix": "FTC's metric and W_O with Q, K and V each compressed alone (control)",
+    "cp": "FTC's tensor, metric and W_O with a rank-R CP (Kronecker-product) Q/K/V instead of Tucker",
 }
 """Compression methods by name: FTC and the baselines of ftc-method.md §11."""
 
