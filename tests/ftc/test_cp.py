@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ftc.cp import (
+    CPFactors,
     compress_cp,
     cp_als,
     cp_error,
@@ -15,6 +16,7 @@ from ftc.cp import (
     hosvd_init,
 )
 from ftc.metric import Whitening
+from ftc.stored import build_modules, cp_tensors
 from ftc.tucker import hosvd
 
 D = torch.float64
@@ -112,3 +114,16 @@ def test_reported_error_is_that_of_the_returned_weights_in_the_whitened_balanced
     per_slice = (white - approx).pow(2).sum((1, 2)) / white.pow(2).sum((1, 2))
     assert report.error == pytest.approx(float(per_slice.sum() / slices), rel=1e-6)
     assert 0 < report.error < report.error_init
+
+
+def test_cp_group_computes_the_slices_of_its_factors():
+    slices, d, dh, rank = 4, 12, 5, 7  # two query heads, one key head, one value head
+    a, b, c = (t.float() for t in _factors(slices, d, dh, rank, seed=6))
+    spec = {"kind": "cp", "proj": ["q", "k", "v"], "heads": [2, 1, 1], "rank": rank}
+    modules = build_modules(spec, cp_tensors(CPFactors(a, b, c), torch.float32), {}, dh, torch.float32)
+    x = torch.randn(3, d, generator=torch.Generator().manual_seed(7))
+    w = cp_reconstruct(a, b, c)  # (S, d, dh)
+    with torch.no_grad():
+        torch.testing.assert_close(modules["q"](x), x @ torch.cat([w[0], w[1]], dim=1))
+        torch.testing.assert_close(modules["k"](x), x @ w[2])
+        torch.testing.assert_close(modules["v"](x), x @ w[3])
