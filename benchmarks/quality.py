@@ -204,7 +204,8 @@ def plot(results: dict) -> bytes:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["all", "main", "ablations", "timing", "render", "tasks"], default="all")
+    parser.add_argument("--part", default="all",
+                        choices=["all", "main", "ablations", "timing", "render", "tasks", "structures"])
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.8, 0.6, 0.4, 0.2])
     parser.add_argument("--ablation-ratios", type=float, nargs="*", default=[0.6, 0.2])
     parser.add_argument("--methods", nargs="*", default=list(METHODS))
@@ -252,6 +253,12 @@ def main() -> None:
     if "dense" not in results or results["dense"]["windows"] != args.windows:
         results["dense"] = perplexity(model, test_ids, 512, args.windows, progress=False)
         save()
+    if args.part == "structures":  # Tucker against CP at equal storage, benchmarks/structures.py
+        from structures import run as run_structures
+
+        out = args.out if args.out != RESULTS / "quality.json" else RESULTS / "structures.json"
+        run_structures(loaded, test_ids, args.ratios, args.windows, out, results["dense"])
+        return
     jobs = []
     if args.part in ("all", "main"):
         jobs += [(m, r, "") for r in args.ratios for m in args.methods]
