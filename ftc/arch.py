@@ -20,6 +20,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, str, str, str]]] = {
     "qwen3": ("model.layers", LLAMA_STYLE),
     "gemma": ("model.layers", LLAMA_STYLE),
     "gemma2": ("model.layers", LLAMA_STYLE),
+    "gemma3_text": ("model.layers", LLAMA_STYLE),
+    "olmo2": ("model.layers", LLAMA_STYLE),
     "gptj": ("transformer.h", ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj")),
 }
 
@@ -74,6 +76,14 @@ def layout_of(config) -> AttentionLayout:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     return AttentionLayout(model_type, layers_path, hidden, heads, kv_heads, head_dim, q, k, v, o)
+
+
+def layer_types(config, count: int) -> tuple[str, ...]:
+    """The attention type of each decoder layer (`config.layer_types`: Gemma 2/3 interleave
+    sliding-window and global layers, each type with its own mask and rotary embedding), or one
+    type for every layer of a family whose layers all take the same arguments."""
+    types = getattr(config, "layer_types", None)
+    return tuple(types[:count]) if types else ("all",) * count
 
 
 def decoder_layers(model: nn.Module, layout: AttentionLayout) -> nn.ModuleList:

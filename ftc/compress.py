@@ -12,13 +12,14 @@ import os
 import platform
 import shutil
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import __version__
-from .arch import AttentionLayout, layout_of
+from .arch import AttentionLayout, layer_types, layout_of
 from .artifact import LayerStore, assemble, extra_names, layer_entry, layer_tensors
 from .data import calibration_ids, ids_sha256, load_text, tokenize
 from .methods import Method, make_method
@@ -282,6 +283,7 @@ def plan(options: CompressOptions) -> dict:
     workspace = 8 * layout.hidden**2 * 3 + 4 * layout.qkv_params * 4  # Grams (float64) + tensor copies
     return {
         "model": source.describe(), "model_type": layout.model_type, "layers": n_layers,
+        "layer_types": dict(Counter(layer_types(config, n_layers))), "projections": layout.projections,
         "hidden": layout.hidden, "heads": layout.heads, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
         "slices": layout.slices,
         "qkv_shape": [layout.hidden, layout.head_dim, layout.slices],

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .arch import AttentionLayout, decoder_layers, get_module, set_module
+from .arch import AttentionLayout, decoder_layers, get_module, layer_types, set_module
 from .methods import ContextStats, Group, Method
 from .metric import WORK_DTYPE, Moments, accumulate_product
 from .stored import build_modules
@@ -48,6 +48,19 @@ class Stream:
     hidden: list[torch.Tensor]
     kwargs: list[dict]
     device: torch.device
+    typed: list[dict[str, dict]] | None = None
+    """Per batch, the kwargs of each layer type, where layers of different types get different
+    ones (Gemma 2/3: a sliding-window mask and local rotary base vs the global ones); `kwargs` is
+    then layer 0's. See `at`."""
+    layer_types: tuple[str, ...] = ()
+
+    def at(self, index: int) -> Stream:
+        """The stream as decoder layer `index` sees it: its type's kwargs, the same hidden list
+        (so `propagate` through the view advances this stream)."""
+        if not self.typed:
+            return self
+        kind = self.layer_types[index]
+        return dataclasses.replace(self, kwargs=[kw[kind] for kw in self.typed])
 
     def batches(self) -> Iterator[tuple[torch.Tensor, dict]]:
         for h, kw in zip(self.hidden, self.kwargs, strict=True):
@@ -81,25 +94,43 @@ def layer_inputs(
     """Run the embeddings up to the first decoder layer and keep its inputs and kwargs per batch.
 
     The kwargs (rotary position embeddings, causal mask...) are whatever the model passes its
-    layers, captured rather than rebuilt, so every architecture family works the same way.
+    layers, captured rather than rebuilt, so every architecture family works the same way. They
+    are captured per layer type (`arch.layer_types`): during the pass every decoder layer's forward
+    is a stub that records the kwargs of the first layer of its type and hands its input on
+    unchanged, and the pass stops once every type is recorded. One set per type per batch is
+    kept, and no decoder layer runs (their weights need not even be resident).
     """
-    first = decoder_layers(model, layout)[0]
-    stream = Stream([], [], device)
-    hidden, kwargs = stream.hidden, stream.kwargs
+    layers = decoder_layers(model, layout)
+    types = layer_types(model.config, len(layers))
+    distinct = len(set(types))
+    stream = Stream([], [], device, [] if distinct > 1 else None, types if distinct > 1 else ())
+    seen: dict[str, dict] = {}
 
-    def hook(_module, args, kw):
-        h = args[0] if args else kw.pop("hidden_states")
-        hidden.append(stream.keep(h))
-        kwargs.append({k: v for k, v in kw.items() if k != "hidden_states"})
-        raise _Captured
+    def stub(index: int) -> Callable:
+        def forward(*args, **kw):
+            h = args[0] if args else kw.pop("hidden_states")
+            if index == 0:
+                stream.hidden.append(stream.keep(h))
+            seen.setdefault(types[index], {k: v for k, v in kw.items() if k != "hidden_states"})
+            if len(seen) == distinct:
+                raise _Captured
+            return h
 
-    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
+        return forward
+
+    for index, layer in enumerate(layers):
+        layer.forward = stub(index)
     try:
         for start in range(0, input_ids.shape[0], batch_size):
+            seen.clear()
             with contextlib.suppress(_Captured):
                 model(input_ids=input_ids[start : start + batch_size].to(device), use_cache=False)
+            stream.kwargs.append(seen[types[0]])
+            if stream.typed is not None:
+                stream.typed.append(dict(seen))
     finally:
-        handle.remove()
+        for layer in layers:
+            del layer.forward
     return stream
 
 
@@ -333,8 +364,8 @@ def compress_layers(
         if weights is not None:
             materialize(model, name, weights, device, compute_dtype)
         t1 = time.perf_counter()
-        groups, report = compress_layer(layers[index], layout, method.at_layer(index), stream, compute_dtype,
-                                        trim=bounded)
+        groups, report = compress_layer(layers[index], layout, method.at_layer(index),
+                                        None if stream is None else stream.at(index), compute_dtype, trim=bounded)
         layer_result = LayerResult(index, groups, report, time.perf_counter() - t1, len(layers))
         if "error_refit" in report:
             bar.set_postfix(err=f"{report['error_refit']:.3f}")
@@ -374,18 +405,18 @@ def survey_layers(
         name = f"{layout.layers_path}.{index}"
         if weights is not None:
             materialize(model, name, weights, device, compute_dtype)
-        layer = layers[index]
+        layer, at = layers[index], stream.at(index)
         original, _ = _weights(layer, layout)
         x = Moments(layout.hidden, stream.device)
         energy, rows = 0.0, 0
-        for h, kw in stream.batches():
+        for h, kw in at.batches():
             x.update(capture_input(layer, layout.q, h, kw))
             energy += float(h.double().pow(2).sum())
             rows += h.numel() // h.shape[-1]
-        ctx, contexts = context_stats(layer, layout, stream, None, keep="teacher")
+        ctx, contexts = context_stats(layer, layout, at, None, keep="teacher")
         surveys.append(method.survey(original, x, ctx, energy / max(rows, 1), layout))
         del x, ctx
-        propagate(layer, stream, layout, contexts)
+        propagate(layer, at, layout, contexts)
         if weights is not None:
             release(model, name)
             if bounded:
@@ -412,7 +443,7 @@ def compress_model(
     """Compress a model that is fully in memory (small models, tests)."""
     stream = layer_inputs(model, layout, calibration, batch_size, device) if method.needs_data else None
     if method.plans:  # the survey advances its own list of the stream's batches
-        copy = Stream(list(stream.hidden), stream.kwargs, stream.device)
+        copy = dataclasses.replace(stream, hidden=list(stream.hidden))
         method = planned(method, survey_layers(model, layout, method, copy, device=device, progress=progress), layout)
     return compress_layers(model, layout, method, stream, device=device, compute_dtype=compute_dtype,
                            progress=progress)

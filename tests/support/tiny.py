@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GPTJConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -30,6 +32,14 @@ LAYOUTS = {
     "gemma_mqa": lambda: GemmaConfig(
         hidden_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=32, **COMMON
     ),
+    # Gemma 3: a sliding-window layer (window shorter than the test sequences, local rope base)
+    # then a global one, q/k-norm, wide heads, MQA, scaled embeddings
+    "gemma3": lambda: Gemma3TextConfig(
+        hidden_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], **COMMON
+    ),
+    # OLMo 2: q/k-norm over the whole projection, norms after attention and MLP
+    "olmo2": lambda: Olmo2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **COMMON),
     # GPT-J: MHA, rotary on part of each head, parallel attention and MLP
     "gptj": lambda: GPTJConfig(
         vocab_size=256, n_embd=64, n_head=4, rotary_dim=8, n_layer=2, n_positions=256, n_inner=96,
@@ -46,6 +56,8 @@ def tiny_model(layout: str, seed: int = 0, vocab_size: int | None = None, layers
     if vocab_size is not None:
         config.vocab_size = vocab_size
     if layers is not None:
+        if getattr(config, "layer_types", None):  # the same pattern, repeated to the new depth
+            config.layer_types = [config.layer_types[i % len(config.layer_types)] for i in range(layers)]
         config.num_hidden_layers = layers
     if hidden is not None:  # wider model, same head count
         config.hidden_size = hidden
