@@ -57,6 +57,7 @@ class Subscription:
     """One open event stream: where it has read up to, and the events handed to it since."""
 
     job_id: str
+    team: str
     after: str
     queue: asyncio.Queue[list[JobEvent] | BaseException] = field(default_factory=asyncio.Queue)
 
@@ -86,6 +87,7 @@ class EventHub:
         self._reader = connect(settings, max_connections=1)
         self._reader_id: int | None = None
         self._followers: dict[str, set[Subscription]] = {}
+        self._per_team: dict[str, int] = {}
         self._changed = asyncio.Event()
         self._reading: frozenset[str] = frozenset()
         """Jobs of the blocking read in progress (empty when none waits)."""
@@ -105,16 +107,24 @@ class EventHub:
         self._end_all(StreamEnded("the API is shutting down"))
         await self._reader.aclose()
 
+    def streams_of(self, team: str) -> int:
+        """Streams `team` follows on this process (the route refuses more than FTC_MAX_STREAMS_PER_TEAM)."""
+        return self._per_team.get(team, 0)
+
     @contextlib.asynccontextmanager
-    async def follow(self, job_id: str, after: str) -> AsyncIterator[Subscription]:
+    async def follow(self, team: str, job_id: str, after: str) -> AsyncIterator[Subscription]:
         """Follow one job's events after `after`; the caller replays the history itself first."""
-        subscription = Subscription(job_id, after)
+        subscription = Subscription(job_id, team, after)
         self._followers.setdefault(job_id, set()).add(subscription)
+        self._per_team[team] = self._per_team.get(team, 0) + 1
         self._changed.set()
         try:  # from here on, a client that goes away (cancellation) must not leave its subscription behind
             await self._interrupt_wait(job_id)
             yield subscription
         finally:
+            self._per_team[team] -= 1
+            if not self._per_team[team]:
+                del self._per_team[team]
             followers = self._followers.get(job_id)
             if followers is not None:
                 followers.discard(subscription)
@@ -207,7 +217,7 @@ async def job_event_stream(
             # Ended before the history was read, yet its final event is gone (trimmed, or the job removed).
             yield format_event(final_event_from(record, after))
             return
-        async with hub.follow(job_id, after) as subscription:
+        async with hub.follow(team, job_id, after) as subscription:
             while True:
                 events = await subscription.next(KEEPALIVE_SECONDS)
                 for event in events:

@@ -51,6 +51,9 @@ class Settings(BaseSettings):
         description="Largest calibration.samples x calibration.seq_len a job may ask for: the calibration "
         "stream is tokens x hidden float32 values per copy (16 GiB at this default for hidden 4096).",
     )
+    max_streams_per_team: int = Field(
+        1000, ge=1, description="Open event streams one team may hold on one API process; 429 beyond."
+    )
     log_format: Literal["text", "json"] = Field(
         "text", description="text: `time LEVEL logger: message` lines; json: one JSON object a line (service/logs.py)."
     )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header, HTTPException, Request, status
 from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator
 
-from api.deps import Jobs, Team
-from api.errors import documented
+from api.deps import AppSettings, Jobs, Team
+from api.errors import RETRY_AFTER_SECONDS, documented
 from api.routes.jobs import JobId
 from api.sse import EventHub, job_event_stream
 
@@ -41,6 +41,7 @@ async def get_hub(request: Request) -> EventHub:
     responses={
         200: {"content": {"text/event-stream": {}}, "description": "status, progress and cancel events"},
         **documented(404),
+        429: {"description": "The team holds FTC_MAX_STREAMS_PER_TEAM streams on this API process already"},
     },
 )
 async def job_events(
@@ -48,11 +49,20 @@ async def job_events(
     team: Team,
     jobs: Jobs,
     hub: Annotated[EventHub, Depends(get_hub)],
+    settings: AppSettings,
     last_event_id: EventId = None,
 ) -> StreamingResponse:
     """Replays the job's events (after Last-Event-ID, if sent), then streams new ones; the stream
-    ends after the job's final status."""
+    ends after the job's final status. One team holds at most FTC_MAX_STREAMS_PER_TEAM streams
+    per API process, so it cannot use up a process that other teams share."""
     record = await jobs.require(team, job_id)
+    if hub.streams_of(team) >= settings.max_streams_per_team:
+        raise HTTPException(
+            status.HTTP_429_TOO_MANY_REQUESTS,
+            f"your team follows {settings.max_streams_per_team} event streams on this server already "
+            "(FTC_MAX_STREAMS_PER_TEAM); close some, or retry later",
+            headers={"Retry-After": RETRY_AFTER_SECONDS},
+        )
     return StreamingResponse(
         job_event_stream(hub, jobs, record, after=last_event_id or "0-0"),
         media_type="text/event-stream",

@@ -121,6 +121,46 @@ def test_150_open_event_streams_leave_readyz_and_submissions_answering(api: Api,
     assert len(finals) == streams  # every stream got the final status and ended
 
 
+def test_one_team_cannot_hold_more_than_its_share_of_streams(api_factory: Callable[..., Api], job_request) -> None:
+    api = api_factory("local", max_streams_per_team=3)
+    job_a = api.client("team-a").post("/v1/jobs", json=job_request).json()["id"]
+    job_b = api.client("team-b").post("/v1/jobs", json=job_request).json()["id"]
+
+    async def scenario() -> list[int]:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = {
+                team: await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=api.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+                )
+                for team, key in TEAM_KEYS.items()
+            }
+
+            readers = []  # kept, so that no line iterator is collected (which would close its stream)
+
+            async def open_stream(team: str, job_id: str) -> httpx.Response:
+                request = clients[team].build_request("GET", f"/v1/jobs/{job_id}/events")
+                response = await clients[team].send(request, stream=True)
+                stack.push_async_callback(response.aclose)
+                if response.status_code == 200:
+                    readers.append(lines := response.aiter_lines())
+                    while not (await anext(lines)).startswith("data:"):  # the replayed "queued" event:
+                        pass  # the stream now follows the job
+                    await asyncio.sleep(0.2)
+                return response
+
+            held = [await open_stream("team-a", job_a) for _ in range(3)]
+            refused = await open_stream("team-a", job_a)
+            other_team = await open_stream("team-b", job_b)
+            await held[0].aclose()
+            await asyncio.sleep(0.3)
+            again = await open_stream("team-a", job_a)
+            assert refused.headers.get("retry-after") == "5"
+            assert "FTC_MAX_STREAMS_PER_TEAM" in (await refused.aread()).decode()
+            return [r.status_code for r in held] + [refused.status_code, other_team.status_code, again.status_code]
+
+    assert asyncio.run(scenario()) == [200, 200, 200, 429, 200, 200]
+
+
 # --- 2. bodies: the key first, then a size limit ---------------------------------------------------------
 
 
