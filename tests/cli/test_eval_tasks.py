@@ -1,0 +1,86 @@
+"""`ftc eval --tasks` end to end, lm-eval's own command line with the `ftc` backend, and agreement
+with lm-eval's `hf` backend on the dense export of the same artifact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftc.tasks import TASK_DIR
+
+FTC = [sys.executable, "-m", "cli"]
+LM_EVAL = [sys.executable, "-m", "lm_eval"]
+FTC_LM_EVAL = [sys.executable, "-m", "ftc.harness"]
+TASKS = ("arc_easy", "boolq")
+LIMIT = 3
+pytestmark = pytest.mark.timeout(900)
+
+
+def run(command: list[str], *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=800, env=environment,
+                          stdin=subprocess.DEVNULL)
+
+
+def lm_eval_run(launcher: list[str], model: str, model_args: str, out: Path) -> dict[str, dict]:
+    """lm-eval's `run` on the shipped tasks; returns its results and per-document log-likelihoods."""
+    done = run(launcher, "run", "--model", model, "--model_args", model_args, "--include_path", str(TASK_DIR),
+               "--tasks", ",".join(f"ftc_{t}" for t in TASKS), "--limit", str(LIMIT), "--device", "cpu",
+               "--output_path", str(out), "--log_samples")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    loglikelihoods = {}
+    for task in TASKS:
+        samples = [json.loads(line) for line in next(out.rglob(f"samples_ftc_{task}_*.jsonl")).read_text().splitlines()]
+        loglikelihoods[task] = {s["doc_id"]: [r[0] for r in s["filtered_resps"]] for s in samples}
+    return {"results": results, "loglikelihoods": loglikelihoods}
+
+
+def test_task_dir_and_bad_task_input_are_one_line_errors(tiny_folder, tmp_path):
+    done = run(FTC, "eval", "--task-dir")
+    assert done.returncode == 0 and Path(done.stdout.strip()) == TASK_DIR
+    assert (TASK_DIR / "ftc_arc_easy.yaml").is_file()
+    model = str(tiny_folder("gqa"))
+    for args, env, message in (
+        (["--tasks", "arc_easy,winogrande"], None, "unknown task winogrande; choose from arc_easy"),
+        (["--tasks", "piqa"], {"FTC_DATA_DIR": str(tmp_path)},
+         f"task piqa needs {tmp_path}/tasks/piqa_validation.jsonl; set FTC_DATA_DIR"),
+        (["--tasks", "piqa", "--limit", "0"], None, "--limit must be >= 1"),
+    ):
+        failed = run(FTC, "eval", "--model", model, *args, env=env)
+        assert failed.returncode == 2, failed.stderr
+        assert failed.stderr.strip().splitlines() == [f"ftc: error: {failed.stderr.strip()[len('ftc: error: '):]}"]
+        assert message in failed.stderr
+
+
+def test_artifact_tasks_agree_across_ftc_eval_the_ftc_backend_and_hf_on_the_dense_export(tiny_folder, tmp_path):
+    artifact, dense = tmp_path / "art", tmp_path / "dense"
+    done = run(FTC, "compress", "--model", str(tiny_folder("gqa")), "--ratio", "0.4", "--calib", "wikitext2",
+               "--calib-samples", "4", "--seq-len", "64", "--device", "cpu", "--out", str(artifact))
+    assert done.returncode == 0, done.stderr
+    done = run(FTC, "eval", str(artifact), "--tasks", ",".join(TASKS), "--limit", str(LIMIT), "--dataset",
+               "wikitext2", "--seq-len", "64", "--max-windows", "2", "--json", "--quiet", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    ours = json.loads(done.stdout.strip().splitlines()[-1])
+    assert ours["windows"] == 2 and ours["ppl"] > 1  # perplexity and tasks in one call
+    assert set(ours["tasks"]) == set(TASKS) and all(row["n"] == LIMIT for row in ours["tasks"].values())
+    assert ours["avg"] == pytest.approx(sum(row["acc"] for row in ours["tasks"].values()) / len(TASKS))
+
+    # lm-eval's own command line with the `ftc` backend runs the artifact factorized...
+    backend = lm_eval_run(FTC_LM_EVAL, "ftc", f"pretrained={artifact}", tmp_path / "ftc-backend")
+    # ...and lm-eval's `hf` backend runs the stock dense export of the same artifact.
+    done = run(FTC, "export", str(artifact), "--out", str(dense), "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    stock = lm_eval_run(LM_EVAL, "hf", f"pretrained={dense},dtype=float32", tmp_path / "hf-backend")
+    for task in TASKS:
+        for scored in (backend, stock):
+            assert scored["results"][f"ftc_{task}"]["acc,none"] == ours["tasks"][task]["acc"]
+        factorized, reconstructed = backend["loglikelihoods"][task], stock["loglikelihoods"][task]
+        assert factorized.keys() == reconstructed.keys() and len(factorized) == LIMIT
+        for doc in factorized:
+            assert factorized[doc] == pytest.approx(reconstructed[doc], abs=1e-3)
