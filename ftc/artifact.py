@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .arch import AttentionLayout, decoder_layers, layout_of
+from .arch import AttentionLayout, layout_of
 from .hf import modeling_ftc
 from .hf.modeling_ftc import FORMAT_VERSION, family, group_name
 from .options import InputError
@@ -253,25 +253,6 @@ def assemble(out_dir: Path, store: LayerStore, config, tokenizer, manifest: dict
     return manifest
 
 
-def write_artifact(out_dir: Path, model: nn.Module, tokenizer, layout: AttentionLayout, layers: list, manifest: dict,
-                   dtype: torch.dtype, overwrite: bool = False) -> dict:
-    """Write a model compressed in memory (all layers present) through the same store and assembly."""
-    out_dir = Path(out_dir)
-    work = out_dir.parent / f".{out_dir.name}.work-{os.getpid()}"
-    try:
-        store = LayerStore(work, {"in_memory": id(model)})
-        decoder = decoder_layers(model, layout)
-        for result in layers:
-            prefix = f"{layout.layers_path}.{result.index}"
-            store.save_layer(result.index, layer_tensors(decoder[result.index], prefix, result.groups, dtype),
-                             layer_entry(result))
-        for name, value in extra_weights(model, layout):
-            store.save_extra(name, value.detach().to(dtype if value.is_floating_point() else value.dtype))
-        return assemble(out_dir, store, model.config, tokenizer, manifest, overwrite)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
 def layer_entry(result) -> dict:
     groups = group_entries(result.groups)
     return {"index": result.index, "groups": groups, **result.report,
@@ -284,12 +265,6 @@ def extra_names(names: list[str], layout: AttentionLayout, config) -> list[str]:
     """Weights outside the decoder layers; a tied output head is stored once, as the embedding."""
     tied = getattr(config, "tie_word_embeddings", False)
     return [n for n in names if not n.startswith(f"{layout.layers_path}.") and not (tied and n == "lm_head.weight")]
-
-
-def extra_weights(model: nn.Module, layout: AttentionLayout):
-    state = model.state_dict()
-    for name in extra_names(list(state), layout, model.config):
-        yield name, state[name]
 
 
 def read_manifest(path: Path) -> dict:

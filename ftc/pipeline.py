@@ -428,22 +428,3 @@ def planned(method: Method, surveys: list[dict], layout: AttentionLayout) -> Met
     """`method` with the per-layer budgets its `plan` makes of the surveys."""
     return dataclasses.replace(method, budgets=tuple(method.plan(surveys, layout)))
 
-
-def compress_model(
-    model: nn.Module,
-    layout: AttentionLayout,
-    method: Method,
-    calibration: torch.Tensor | None,
-    *,
-    device: torch.device,
-    batch_size: int = 8,
-    compute_dtype: torch.dtype = torch.float32,
-    progress: bool = True,
-) -> PipelineResult:
-    """Compress a model that is fully in memory (small models, tests)."""
-    stream = layer_inputs(model, layout, calibration, batch_size, device) if method.needs_data else None
-    if method.plans:  # the survey advances its own list of the stream's batches
-        copy = dataclasses.replace(stream, hidden=list(stream.hidden))
-        method = planned(method, survey_layers(model, layout, method, copy, device=device, progress=progress), layout)
-    return compress_layers(model, layout, method, stream, device=device, compute_dtype=compute_dtype,
-                           progress=progress)

@@ -12,7 +12,7 @@ from ftc.allocation import Curve, _hull, candidate_ratios, choose, heterogeneous
 from ftc.arch import layout_of
 from ftc.lowrank import eig_whitened_svd
 from ftc.methods import make_method
-from ftc.pipeline import compress_model
+from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
 
 

@@ -11,7 +11,7 @@ from ftc.arch import layout_of
 from ftc.lowrank import guarded_whitened_svd, truncated_svd, weighted_error
 from ftc.methods import make_method
 from ftc.metric import MAX_EPS, Whitening, guarded_fit
-from ftc.pipeline import compress_model
+from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
 
 D = torch.float64

@@ -11,7 +11,7 @@ import torch
 
 from ftc.arch import decoder_layers, get_module, layout_of
 from ftc.methods import make_method
-from ftc.pipeline import compress_model
+from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
 
 CALIB = torch.randint(0, 256, (8, 48), generator=torch.Generator().manual_seed(1))

@@ -13,7 +13,7 @@ import torch
 from ftc.arch import decoder_layers, get_module, layout_of, set_module
 from ftc.methods import make_method
 from ftc.options import ABLATIONS
-from ftc.pipeline import compress_model
+from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
 
 D = torch.float64

@@ -15,8 +15,7 @@ import torch
 from ftc.arch import UnsupportedModel, layout_of
 from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, compress
-from ftc.methods import make_method
-from ftc.pipeline import compress_model
+from tests.support.pipeline import compress_loaded
 from tests.support.tiny import tiny_model
 
 FTC = [sys.executable, "-m", "cli"]
@@ -36,14 +35,11 @@ def test_streamed_sharded_run_equals_the_in_memory_run(tiny_folder, smollm2_toke
     manifest = compress(options, tmp_path / "streamed", progress=False)
     streamed, _, _ = load_artifact(tmp_path / "streamed")
 
-    from ftc.compress import calibration_batch
-
+    # the same model held in memory (as the benchmarks pass it), through the same compress()
     model = tiny_model("gqa", vocab_size=len(smollm2_tokenizer), layers=3)
-    layout = layout_of(model.config)
-    calib = calibration_batch(smollm2_tokenizer, options, layout.hidden)
-    compress_model(model, layout, make_method("ftc", 0.4, torch.float32), calib, device=torch.device("cpu"),
-                   batch_size=2, progress=False)
-    torch.testing.assert_close(_logits(streamed), _logits(model), rtol=1e-5, atol=1e-5)
+    in_memory, _, _ = compress_loaded(model, smollm2_tokenizer, tmp_path / "in-memory", ratio=0.4, calib_samples=4,
+                                      seq_len=64, dtype="float32", batch_size=2)
+    torch.testing.assert_close(_logits(streamed), _logits(in_memory), rtol=1e-5, atol=1e-5)
     assert manifest["resumed_from_layer"] == 0 and len(manifest["layers"]) == 3
 
 
