@@ -427,4 +427,3 @@ def survey_layers(
 def planned(method: Method, surveys: list[dict], layout: AttentionLayout) -> Method:
     """`method` with the per-layer budgets its `plan` makes of the surveys."""
     return dataclasses.replace(method, budgets=tuple(method.plan(surveys, layout)))
-
