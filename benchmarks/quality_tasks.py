@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -77,7 +78,7 @@ def render(results: dict[str, Any], model_name: str, methods: Sequence[str]) -> 
             if (cell := cells.get(f"{method}@{ratio}")) is not None:
                 lines.append(row(str(ratio), method, cell))
     lines += ["", "Each cell: `ftc.compress` -> artifact on disk -> reloaded (factorized) -> lm-eval. "
-              "Produced by `benchmarks/quality.py --part tasks`.", ""]
+              f"Produced by `{results.get('command', 'benchmarks/quality.py --part tasks')}`.", ""]
     return "\n".join(lines)
 
 
@@ -103,6 +104,7 @@ def run_tasks_part(
     """Fill `out` (JSON) cell by cell: the dense model, then every method at each ratio, in that order."""
     results = json.loads(out.read_text()) if out.exists() else {"cells": {}}
     results["calibration"] = f"{base.calib_samples} x {base.seq_len} tokens of {base.calib}, seed {base.seed}"
+    results["command"] = " ".join(["benchmarks/quality.py", *sys.argv[1:]])
 
     def save() -> None:
         _write(out, json.dumps(results, indent=2))
