@@ -37,7 +37,8 @@ def lm_eval_run(launcher: list[str], model: str, model_args: str, out: Path) -> 
     loglikelihoods = {}
     for task in TASKS:
         samples = [json.loads(line) for line in next(out.rglob(f"samples_ftc_{task}_*.jsonl")).read_text().splitlines()]
-        loglikelihoods[task] = {s["doc_id"]: [r[0] for r in s["filtered_resps"]] for s in samples}
+        # lm-eval writes each (log-likelihood, is-greedy) pair as strings
+        loglikelihoods[task] = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in samples}
     return {"results": results, "loglikelihoods": loglikelihoods}
 
 
