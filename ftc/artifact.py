@@ -242,6 +242,9 @@ def assemble(out_dir: Path, store: LayerStore, config, tokenizer, manifest: dict
     with atomic_dir(out_dir, overwrite) as tmp:
         written = concat_safetensors(store.files(), tmp / WEIGHTS, {"format": "pt"})
         entries = store.entries()
+        if any("shapes" not in g for e in entries for g in e["groups"]):
+            raise InputError(f"work dir {store.folder} holds layers from an older ftc (artifact format < "
+                             f"{FORMAT_VERSION}); delete it and run again")
         (tmp / CONFIG).write_text(json.dumps(compressed_config(config, entries), indent=2, sort_keys=True))
         shutil.copyfile(modeling_ftc.__file__, tmp / CODE)
         if tokenizer is not None:
@@ -315,5 +318,8 @@ def load_artifact(path: Path, compute_dtype: torch.dtype = torch.float32, device
     manifest = read_manifest(path)
     _, model_cls = family(block["base_model_type"])
     model = model_cls.from_pretrained(path, dtype=compute_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+    # the base config tells AutoTokenizer the tokenizer's family, so it never reads the folder's
+    # `auto_map` (which would ask, on stdout, whether to run the folder's code)
+    tokenizer = (AutoTokenizer.from_pretrained(path, config=base_config(path))
+                 if (path / "tokenizer_config.json").exists() else None)
     return model.to(device).eval(), tokenizer, manifest
