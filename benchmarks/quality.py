@@ -236,7 +236,7 @@ def main() -> None:
         from quality_tasks import run_tasks_part
 
         def options_for(method: str, ratio: float) -> CompressOptions:
-            return CompressOptions(**{**base.__dict__, "method": method, "ratio": ratio})
+            return CompressOptions(**{**base.__dict__, "method": method, "ratio": ratio, **VARIANTS.get(method, {})})
 
         out = args.out if args.out != RESULTS / "quality.json" else RESULTS / "tasks.json"
         run_tasks_part(loaded, base, options_for, args.methods, args.ratios, args.limit, args.task_batch_size, out,
