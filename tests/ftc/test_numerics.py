@@ -20,15 +20,11 @@ from ftc.tucker import (
     top_k_mask,
     whiten_and_balance,
 )
+from tests.support.tensors import structured_tensor
 
 D = torch.float64
 
 
-def _tensor(slices=7, d=40, dh=8, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randn(d, 12, dtype=D, generator=g)
-    structured = torch.stack([shared @ torch.randn(12, dh, dtype=D, generator=g) for _ in range(slices)])
-    return structured + 0.05 * torch.randn(slices, d, dh, dtype=D, generator=g)
 
 
 def _projector(u: torch.Tensor, rank: int) -> torch.Tensor:
@@ -36,7 +32,7 @@ def _projector(u: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def test_eigh_hosvd_spans_the_svd_hosvd_subspaces_at_every_rank():
-    t = _tensor()
+    t = structured_tensor()
     u1, u2, core = hosvd(t)
     s1 = torch.linalg.svd(mode1_unfold(t), full_matrices=False)
     s2 = torch.linalg.svd(mode2_unfold(t), full_matrices=False)
@@ -51,7 +47,7 @@ def test_eigh_hosvd_spans_the_svd_hosvd_subspaces_at_every_rank():
 
 
 def test_project_core_is_the_definition():
-    t = _tensor()
+    t = structured_tensor()
     g = torch.Generator().manual_seed(1)
     u1 = torch.linalg.qr(torch.randn(40, 9, dtype=D, generator=g))[0]
     u2 = torch.linalg.qr(torch.randn(8, 5, dtype=D, generator=g))[0]
@@ -91,7 +87,7 @@ def _refit_batched(t, u1, u2, mask, iterations):
 
 
 def test_single_gemm_refit_equals_the_batched_sum_form():
-    t = _tensor()
+    t = structured_tensor()
     u1, u2, _ = hosvd(t)
     u1, u2 = u1[:, :10], u2[:, :5]
     mask = top_k_mask(project_core(t, u1, u2), 150)
@@ -102,7 +98,7 @@ def test_single_gemm_refit_equals_the_batched_sum_form():
 
 
 def test_chunked_whitening_equals_the_whole_tensor_form():
-    t = _tensor(slices=19)
+    t = structured_tensor(slices=19)
     x = torch.randn(200, 40, dtype=D, generator=torch.Generator().manual_seed(4)) * torch.linspace(3, 0.1, 40,
                                                                                                      dtype=D)
     white = Whitening.from_gram(x.T @ x / 200)

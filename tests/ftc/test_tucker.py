@@ -23,15 +23,9 @@ from ftc.tucker import (
     top_k_mask,
     tucker_error,
 )
+from tests.support.tensors import structured_tensor
 
 D = torch.float64
-
-
-def _tensor(slices=7, d=40, dh=8, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randn(d, 12, dtype=D, generator=g)
-    structured = torch.stack([shared @ torch.randn(12, dh, dtype=D, generator=g) for _ in range(slices)])
-    return structured + 0.05 * torch.randn(slices, d, dh, dtype=D, generator=g)
 
 
 def test_head_concat_orders_slices_and_inverts():
@@ -46,7 +40,7 @@ def test_head_concat_orders_slices_and_inverts():
 
 
 def test_hosvd_is_orthonormal_nested_and_exact():
-    t = _tensor()
+    t = structured_tensor()
     u1, u2, core = hosvd(t)
     torch.testing.assert_close(u1.T @ u1, torch.eye(u1.shape[1], dtype=D))
     torch.testing.assert_close(u2.T @ u2, torch.eye(u2.shape[1], dtype=D))
@@ -57,7 +51,7 @@ def test_hosvd_is_orthonormal_nested_and_exact():
 
 
 def test_allocators_predicted_error_equals_the_measured_truncation_error():
-    t = _tensor()
+    t = structured_tensor()
     total = float(t.pow(2).sum())
     u1, u2, core = hosvd(t)
     budget = int(0.3 * t.numel())
@@ -70,7 +64,7 @@ def test_allocators_predicted_error_equals_the_measured_truncation_error():
 
 
 def test_energy_table_matches_the_top_k_definition():
-    core = hosvd(_tensor())[2]
+    core = hosvd(structured_tensor())[2]
     for r2 in (2, 5, 8):
         table = _EnergyTable(core, r2)
         for r1, kept in [(3, 10), (20, 111), (40, 10_000)]:
@@ -90,7 +84,7 @@ def test_core_capacity_fills_but_never_exceeds_the_budget():
 
 
 def test_refit_never_increases_the_error_on_a_fixed_support():
-    t = _tensor()
+    t = structured_tensor()
     u1, u2, _core = hosvd(t)
     u1, u2 = u1[:, :8], u2[:, :5]
     mask = top_k_mask(project_core(t, u1, u2), 120)
@@ -103,7 +97,7 @@ def test_refit_never_increases_the_error_on_a_fixed_support():
 
 
 def test_prune_refit_ends_no_worse_than_the_allocation_and_respects_k():
-    t = _tensor()
+    t = structured_tensor()
     total = float(t.pow(2).sum())
     u1, u2, core = hosvd(t)
     alloc = allocate(core, total, int(0.25 * t.numel()), t.shape[1], t.shape[2])
@@ -115,7 +109,7 @@ def test_prune_refit_ends_no_worse_than_the_allocation_and_respects_k():
 
 @pytest.mark.parametrize("balance", [True, False])
 def test_error_falls_as_the_keep_ratio_rises(balance):
-    t = _tensor(slices=9, d=48, dh=8)
+    t = structured_tensor(slices=9, d=48, dh=8)
     x = torch.randn(300, 48, dtype=D) * torch.linspace(2, 0.1, 48, dtype=D)
     white = Whitening.from_gram(x.T @ x / 300)
     errors = []
