@@ -25,8 +25,6 @@ from tests.support.tensors import structured_tensor
 D = torch.float64
 
 
-
-
 def _projector(u: torch.Tensor, rank: int) -> torch.Tensor:
     return u[:, :rank] @ u[:, :rank].T
 
