@@ -24,7 +24,7 @@ from cli.common import (
     print_json,
     ratios,
 )
-from ftc.options import METHODS
+from ftc.options import ALLOCATIONS, METHODS
 
 # --- serve -------------------------------------------------------------------------------------------
 
@@ -60,6 +60,8 @@ def build_request(args: argparse.Namespace, upload: Callable[[Path], str]) -> di
         request["ratio"] = args.ratio
     if args.ablate:
         request["ablate"] = csv(args.ablate)
+    if args.allocation:
+        request["allocation"] = args.allocation
     request |= calibration_and_eval(args, upload)
     if args.priority:
         request["priority"] = args.priority
@@ -143,6 +145,8 @@ def _add_submit_flags(parser: argparse.ArgumentParser) -> None:
     ratio.add_argument("--ratio", type=float, help="keep ratio in (0, 1]")
     ratio.add_argument("--ratios", type=ratios, help="several keep ratios, one linked job each: 0.3,0.5")
     parser.add_argument("--ablate", help="FTC components to remove, comma-separated")
+    parser.add_argument("--allocation", choices=ALLOCATIONS,
+                        help="how rho is spent across layers (ftc only; the server's default: uniform)")
     add_calibration_and_eval_flags(parser)
     add_priority_flag(parser)
     parser.add_argument(

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from ftc.hub import parse_hub_id
-from ftc.options import DATASETS, METHODS, MODEL_ALIASES, parse_ablations, validate_ratio
+from ftc.options import ALLOCATIONS, DATASETS, METHODS, MODEL_ALIASES, parse_ablations, validate_ratio
 from ftc.tasks import TASKS, parse_tasks
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -202,6 +202,14 @@ class JobRequest(_Strict):
     )
     method: Literal[METHODS] = "ftc"  # type: ignore[valid-type]
     ablate: list[str] = Field(default_factory=list, description="FTC components to remove (ablations).")
+    # Left out of stored requests when it is the default, so requests stored before it existed stay equal.
+    allocation: Literal[ALLOCATIONS] = Field(  # type: ignore[valid-type]
+        "uniform",
+        exclude_if=lambda value: value == "uniform",
+        description="How rho is spent (method 'ftc' only): 'uniform', the same keep ratio in every layer "
+        "(the paper), or 'global', one budget for the whole attention stack split by measured "
+        "error curves (ftc-method.md §13).",
+    )
     ratio: KeepRatio | None = Field(None, description="Keep ratio rho in (0, 1].")
     ratios: list[KeepRatio] | None = Field(None, min_length=1, max_length=MAX_RATIOS)
     calibration: Calibration = Field(default_factory=Calibration)
@@ -277,6 +285,9 @@ class JobRequest(_Strict):
             raise ValueError("give exactly one of ratio (a number) or ratios (a list)")
         if self.ablate and self.method != "ftc":
             raise ValueError(f"ablate removes FTC components; it needs method 'ftc', not {self.method!r}")
+        if self.allocation != "uniform" and self.method != "ftc":
+            raise ValueError(f"allocation {self.allocation!r} applies to method 'ftc' only, not {self.method!r}; "
+                             "leave allocation out or set it to 'uniform'")
         return self
 
     def keep_ratios(self) -> list[float]:

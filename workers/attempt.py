@@ -160,6 +160,7 @@ class Attempt:
             "method": request.method,
             "ratio": request.ratio,
             "ablate": list(request.ablate),
+            "allocation": request.allocation,
             "eval": {"seq_len": evaluation.seq_len, "max_windows": evaluation.max_windows,
                      **({"tasks": evaluation.tasks, "limit": evaluation.limit} if evaluation.tasks else {})},
             "perplexity": evaluated.get("perplexity", {}),

@@ -88,4 +88,5 @@ def compress_options(request: JobRequest, model: str, calibration: str, device: 
         seed=request.calibration.seed,
         device=device,
         ablate=tuple(request.ablate),
+        allocation=request.allocation,
     ).validate()

@@ -77,6 +77,16 @@ def test_ablations_need_the_ftc_method_and_accept_a_comma_list() -> None:
     )
 
 
+def test_a_model_wide_allocation_is_for_ftc_only_and_stored_only_when_asked() -> None:
+    assert "allocation" not in JobRequest.model_validate(JOB_REQUEST).model_dump(by_alias=True)
+    request = JobRequest.model_validate({**JOB_REQUEST, "allocation": "global"})
+    assert request.model_dump(by_alias=True)["allocation"] == "global"
+    assert any(loc == ("allocation",) and "uniform" in msg
+               for loc, msg in errors_of({**JOB_REQUEST, "allocation": "greedy"}))
+    assert any("applies to method 'ftc' only" in msg
+               for _, msg in errors_of({**JOB_REQUEST, "method": "svd_llm", "allocation": "global"}))
+
+
 def test_upload_uris_are_accepted_as_datasets() -> None:
     body = {**JOB_REQUEST, "calibration": {"dataset": "s3://bucket/team-a/uploads/upl_x/c.txt"}}
     assert JobRequest.model_validate(body).calibration.dataset.startswith("s3://")

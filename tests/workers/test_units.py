@@ -15,11 +15,12 @@ from botocore.awsrequest import AWSResponse
 
 from ftc.options import InputError
 from service.retry import RetryPolicy
+from service.schemas import JobRequest
 from service.store import LocalStore, ObjectStore, S3Store, StoreUnavailable
 from service.store.layout import checkpoint_name, job_prefix, upload_key
-from tests.support.service import S3_BUCKET
+from tests.support.service import JOB_REQUEST, S3_BUCKET
 from workers.checkpoints import CheckpointSync, finished_layers
-from workers.inputs import local_dataset, model_spec
+from workers.inputs import compress_options, local_dataset, model_spec
 from workers.job import MAX_REASON_CHARS, summarise
 from workers.joblog import JobLog
 from workers.progress import ProgressClock
@@ -280,3 +281,9 @@ def test_a_checkpoint_upload_answered_503_is_retried(moto_server) -> None:
         store.put_file(PREFIX + checkpoint_name(0), Path(layer.name))
     assert unavailable == [0], "both 503 answers were seen"
     assert store.get_bytes(PREFIX + checkpoint_name(0)) == b"tensors"
+
+
+def test_the_job_request_reaches_the_library_options_allocation_included() -> None:
+    request = JobRequest.model_validate({**JOB_REQUEST, "allocation": "global", "ablate": ["no_anchor"]})
+    options = compress_options(request, "smollm2-135m", "wikitext2", "cpu")
+    assert (options.allocation, options.ablate, options.ratio) == ("global", ("no_anchor",), request.ratio)
