@@ -31,12 +31,11 @@ from .lowrank import (
     guarded_whitened_svd,
     scaled_svd,
     truncated_svd,
-    weighted_error,
 )
 from .metric import DEFAULT_EPS, GUARD_TOLERANCE, MAX_EPS, WORK_DTYPE, Moments, Whitening, guarded_fit
 from .options import METHODS
 from .stored import cp_tensors, lowrank_tensors, tucker_tensors
-from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, compress_tensor, head_concat, head_slices
+from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, SliceError, compress_tensor, head_concat, head_slices
 
 Group = tuple[dict, dict[str, torch.Tensor]]
 
@@ -297,8 +296,10 @@ class FTC(Method):
             return compress_tensor(tensor, whitening, budget, balance=balance, coupled=coupled, steps=steps,
                                    refits=refits)
 
+        measure = SliceError(tensor, gram, balance)
+
         def error(result) -> float:
-            return weighted_error(tensor, result[0].weights(), gram, balance)
+            return measure(result[0])
 
         # the guard's reference: the unwhitened allocation (HOSVD + top-K core, no pruning schedule)
         (factors, report), _ = guarded_fit(gram, fit, error, lambda: error(fit(Whitening(None, None), 1, 0)))
@@ -331,10 +332,23 @@ class FTC(Method):
         if "no_wo_target" not in self.ablations:
             n = ctx.student.count
             target, eps_solve = calibrated_wo(ctx.student.gram, ctx.teacher.gram, ctx.cross / n, w_o, anchor)
-        gram = None if "no_whiten" in self.ablations else ctx.student.gram
+        gram = None if "no_whiten" in self.ablations else self._wo_metric(ctx, anchor)
         (a, b), whitening = guarded_whitened_svd(target, gram, rank)
         return self._lowrank("o", a, b), {"r_o": rank, "eps_o": whitening.eps, "eps_o_solve": eps_solve,
                                           "anchor": anchor}
+
+    def _wo_metric(self, ctx: ContextStats, anchor: float) -> torch.Tensor:
+        """The metric `W*` is truncated in (§8): the anchored objective's own, unless ablated.
+
+        `||A_s W - A_t W_O||^2 + a ||A_t W - A_t W_O||^2` equals `n ||R^T (W - W*)||^2` plus a
+        constant, with `R R^T = C_s + a C_t`, so whitening by that sum makes the truncated SVD the
+        best rank-`r_o` `W_O` for the whole objective. The paper whitens by `C_s` alone
+        (`wo_student_metric`), exact only without the anchor; without the calibrated target the
+        objective is `||A_s W - A_s W_O||^2` and `C_s` is its metric either way.
+        """
+        if "wo_student_metric" in self.ablations or "no_wo_target" in self.ablations:
+            return ctx.student.gram
+        return ctx.student.gram + anchor * ctx.teacher.gram
 
     @property
     def plans(self) -> bool:

@@ -37,6 +37,7 @@ ABLATIONS: tuple[str, ...] = (
     "no_anchor",
     "fixed_ranks",
     "kv_repeat",
+    "wo_student_metric",
 )
 """One-at-a-time removals of FTC components (ftc-method.md §3-§8)."""
 

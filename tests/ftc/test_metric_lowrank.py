@@ -90,3 +90,50 @@ def test_calibrated_wo_solves_the_anchored_normal_equations():
     grad = g_ss @ w_star - g_st @ w_o + 0.5 * g_tt @ (w_star - w_o)
     assert grad.abs().max() < 1e-8
     torch.testing.assert_close(calibrated_wo(g_tt, g_tt, g_tt, w_o, eps=1e-12)[0], w_o, rtol=1e-4, atol=1e-5)
+
+
+def test_the_compressed_wo_is_the_best_of_its_rank_for_the_anchored_objective():
+    """FTC's W_O minimises `||A_s W - A_t W_O||^2 + a ||A_t (W - W_O)||^2` over rank `r_o` (§8).
+
+    The paper's metric (`wo_student_metric`, `C_s` alone) is exact only without the anchor, so it
+    must do worse here; FTC's must match the optimum computed another way (up to its damping).
+    """
+    from ftc.arch import AttentionLayout
+    from ftc.methods import ContextStats, make_method
+
+    m, d, n = 16, 12, 300
+    a_t = _activations(n, m)
+    a_s = a_t @ torch.diag(torch.logspace(-1, 1, m, dtype=D))  # the student leans on other channels
+    w_o = torch.randn(m, d, dtype=D)
+    layout = AttentionLayout("llama", "model.layers", d, 4, 2, 4, "q", "k", "v", "o")
+
+    def moments(x: torch.Tensor) -> Moments:
+        found = Moments(m)
+        found.update(x)
+        return found
+
+    def total(w: torch.Tensor) -> float:
+        return float((a_s @ w - a_t @ w_o).pow(2).sum() + 0.5 * (a_t @ (w - w_o)).pow(2).sum())
+
+    stacked = torch.linalg.lstsq(torch.cat([a_s, 0.5**0.5 * a_t]), torch.cat([a_t @ w_o, 0.5**0.5 * a_t @ w_o]))
+    floor = total(stacked.solution)  # the full-rank optimum: what no rank can remove
+
+    def objective(w: torch.Tensor) -> float:
+        return total(w) - floor
+
+    def compressed(ablations: tuple[str, ...]) -> torch.Tensor:
+        ctx = ContextStats(teacher=moments(a_t), student=moments(a_s), cross=a_s.T @ a_t)
+        group, report = make_method("ftc", 0.4, torch.float64, ablations).o(w_o, ctx, layout)
+        tensors = group[1]
+        return tensors["A"] @ tensors["B"], report["r_o"]
+
+    ours, rank = compressed(())
+    paper, _ = compressed(("wo_student_metric",))
+    assert torch.linalg.matrix_rank(ours) == rank < min(m, d)
+    assert objective(ours) < objective(paper) * 0.97
+    # the textbook optimum of the same rank, another route: eigen square root, no damping
+    values, vectors = torch.linalg.eigh(a_s.T @ a_s + 0.5 * a_t.T @ a_t)
+    root = vectors @ torch.diag(values.sqrt()) @ vectors.T
+    u, s, vh = torch.linalg.svd(root @ stacked.solution)
+    best = torch.linalg.solve(root, u[:, :rank] * s[:rank]) @ vh[:rank]
+    assert objective(ours) <= objective(best) * (1 + 1e-4)
