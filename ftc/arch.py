@@ -22,8 +22,16 @@ FAMILIES: dict[str, tuple[str, tuple[str, str, str, str]]] = {
     "gemma2": ("model.layers", LLAMA_STYLE),
     "gemma3_text": ("model.layers", LLAMA_STYLE),
     "olmo2": ("model.layers", LLAMA_STYLE),
+    # one fused `qkv_proj` whose rows are the Q, K and V blocks: all three name it
+    "phi3": ("model.layers", ("self_attn.qkv_proj",) * 3 + ("self_attn.o_proj",)),
     "gptj": ("transformer.h", ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj")),
 }
+
+TEXT_ONLY = {"gemma3": "gemma3_text"}
+"""Multimodal wrappers and the text-only family of their language model. The wrapper's checkpoint
+names its decoder `language_model.model.*` while its module tree says `model.language_model.*`, and
+it carries a vision tower: compressing it would need a renaming weight source and artifact for one
+family, so it is refused with the way round."""
 
 
 class UnsupportedModel(InputError):
@@ -55,6 +63,17 @@ class AttentionLayout:
         return {"q": self.q, "k": self.k, "v": self.v, "o": self.o}
 
     @property
+    def fused_qkv(self) -> str | None:
+        """The one module holding Q, K and V as row blocks (Phi-3's `qkv_proj`), if they are fused."""
+        return self.q if self.q == self.k == self.v else None
+
+    @property
+    def qkv_rows(self) -> dict[str, tuple[int, int]]:
+        """Rows of Q, K and V in a fused projection's `(out, in)` weight: Q heads, K heads, V heads."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+
+    @property
     def qkv_params(self) -> int:
         return self.hidden * self.head_dim * self.slices
 
@@ -66,6 +85,11 @@ class AttentionLayout:
 def layout_of(config) -> AttentionLayout:
     """Read the attention geometry from a transformers config, or name the supported families."""
     model_type = getattr(config, "model_type", None)
+    if model_type in TEXT_ONLY:
+        raise UnsupportedModel(
+            f"{model_type!r} is a multimodal checkpoint (vision tower + language model); only its text decoder "
+            f"could be compressed: pass a text-only checkpoint (model_type {TEXT_ONLY[model_type]!r})"
+        )
     if model_type not in FAMILIES:
         raise UnsupportedModel(
             f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
@@ -88,6 +112,21 @@ def layer_types(config, count: int) -> tuple[str, ...]:
 
 def decoder_layers(model: nn.Module, layout: AttentionLayout) -> nn.ModuleList:
     return model.get_submodule(layout.layers_path)
+
+
+def projection_weights(layer: nn.Module, layout: AttentionLayout) -> tuple[dict, dict]:
+    """`(out, in)` weight and bias of each projection (keyed q/k/v/o); a fused Q/K/V module is
+    split into its row blocks, so the methods see the same three matrices in every family."""
+    weights, biases = {}, {}
+    for proj, name in layout.projections.items():
+        module = get_module(layer, name)
+        weights[proj], biases[proj] = module.weight, module.bias
+        if proj != "o" and name == layout.fused_qkv:
+            if module.bias is not None:  # Phi-3's has none; a bias would need its own split and export
+                raise UnsupportedModel(f"{name} is a fused Q/K/V projection with a bias; not supported")
+            start, stop = layout.qkv_rows[proj]
+            weights[proj] = module.weight[start:stop]
+    return weights, biases
 
 
 def get_module(layer: nn.Module, name: str) -> nn.Module:

@@ -284,6 +284,7 @@ def plan(options: CompressOptions) -> dict:
     return {
         "model": source.describe(), "model_type": layout.model_type, "layers": n_layers,
         "layer_types": dict(Counter(layer_types(config, n_layers))), "projections": layout.projections,
+        "fused_qkv": layout.fused_qkv,
         "hidden": layout.hidden, "heads": layout.heads, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
         "slices": layout.slices,
         "qkv_shape": [layout.hidden, layout.head_dim, layout.slices],

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from .artifact import CODE, CONFIG, DTYPE_CODES, MANIFEST, WEIGHTS, atomic_dir, base_config, ftc_block
-from .hf.modeling_ftc import FactorGroup, group_name
+from .hf.modeling_ftc import FactorGroup, group_name, modules_of
 from .options import InputError
 from .stored import build_group
 
@@ -45,8 +45,8 @@ class _Tensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     source: str | None = None  # stored name to copy
-    layer: int | None = None  # else: layer index and projection of a group output
-    proj: str | None = None
+    layer: int | None = None  # else: layer index and the projections whose rows it stacks
+    projs: tuple[str, ...] = ()  # one, or Q, K and V of a fused projection (Phi-3's `qkv_proj`)
 
     @property
     def nbytes(self) -> int:
@@ -79,13 +79,16 @@ def _plan(block: dict, f, dtype: torch.dtype) -> list[_Tensor]:
         plan[name] = _Tensor(name, tuple(f.get_slice(name).get_shape()),
                              dtype if stored.is_floating_point else stored, source=name)
     for entry in block["layers"]:
+        shapes: dict[str, tuple[int, int]] = {}  # (out, in) of each projection
         for spec in entry["groups"]:
             inputs = spec["shapes"]["U1" if spec["kind"] == "tucker" else "A"][0]
             heads = spec.get("heads", [])
             for i, proj in enumerate(spec["proj"]):
-                outputs = heads[i] * block["head_dim"] if heads else spec["shapes"]["B"][1]
-                name = f"{layers_path}.{entry['index']}.{names[proj]}.weight"
-                plan[name] = _Tensor(name, (outputs, inputs), dtype, layer=entry["index"], proj=proj)
+                shapes[proj] = (heads[i] * block["head_dim"] if heads else spec["shapes"]["B"][1], inputs)
+        for module, projs in modules_of(names, shapes).items():
+            name = f"{layers_path}.{entry['index']}.{module}.weight"
+            shape = (sum(shapes[p][0] for p in projs), shapes[projs[0]][1])
+            plan[name] = _Tensor(name, shape, dtype, layer=entry["index"], projs=tuple(projs))
     return [plan[name] for name in sorted(plan)]
 
 
@@ -112,14 +115,15 @@ class _DenseLayers:
         self.weights: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def get(self, layer: int, proj: str) -> torch.Tensor:
+    def get(self, layer: int, projs: tuple[str, ...]) -> torch.Tensor:
+        """The weight of one module: a projection's, or the stacked rows of a fused one's members."""
         if layer != self.index:
             self.index, self.weights = layer, {}
             for spec in self.entries[layer]["groups"]:
                 prefix = f"{self.block['layers_path']}.{layer}.ftc.{group_name(spec)}."
                 tensors = {k[len(prefix):]: self.f.get_tensor(k) for k in self.f.keys() if k.startswith(prefix)}
                 self.weights.update(dense_weights(build_group(spec, tensors, torch.float32), self.block["head_dim"]))
-        return self.weights[proj]
+        return torch.cat([self.weights[p] for p in projs]) if len(projs) > 1 else self.weights[projs[0]]
 
 
 def dense_weights(group: FactorGroup, head_dim: int) -> dict[str, torch.Tensor]:
@@ -170,7 +174,7 @@ def export_dense(artifact: Path, out: Path, dtype: str | None = None, overwrite:
         files = [WEIGHTS] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         for file, shard in zip(files, shards, strict=True):
-            values = (f.get_tensor(t.source) if t.source else dense.get(t.layer, t.proj) for t in shard)
+            values = (f.get_tensor(t.source) if t.source else dense.get(t.layer, t.projs) for t in shard)
             _write_shard(tmp / file, shard, values)
         total = sum(t.nbytes for shard in shards for t in shard)
         if len(shards) > 1:

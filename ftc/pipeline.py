@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .arch import AttentionLayout, decoder_layers, get_module, layer_types, set_module
+from .arch import AttentionLayout, decoder_layers, get_module, layer_types, projection_weights, set_module
+from .hf.modeling_ftc import place
 from .methods import ContextStats, Group, Method
 from .metric import WORK_DTYPE, Moments, accumulate_product
 from .stored import build_modules
@@ -156,14 +157,13 @@ def capture_input(layer: nn.Module, name: str, h: torch.Tensor, kwargs: dict) ->
 def swapped(layer: nn.Module, layout: AttentionLayout, modules: dict[str, nn.Module]):
     """Temporarily install `modules` (keyed q/k/v/o) in `layer`."""
     names = layout.projections
-    before = {p: get_module(layer, names[p]) for p in modules}
-    for p, m in modules.items():
-        set_module(layer, names[p], m)
+    before = {names[p]: get_module(layer, names[p]) for p in modules}
+    place(layer, names, modules)
     try:
         yield
     finally:
-        for p, m in before.items():
-            set_module(layer, names[p], m)
+        for name, m in before.items():
+            set_module(layer, name, m)
 
 
 class _Replay(nn.Module):
@@ -245,8 +245,8 @@ def context_stats(
 
 def _weights(layer: nn.Module, layout: AttentionLayout) -> tuple[dict, dict]:
     """Original projection weights in `(in, out)` layout, and their biases."""
-    mods = {p: get_module(layer, n) for p, n in layout.projections.items()}
-    return {p: m.weight.detach().T for p, m in mods.items()}, {p: m.bias for p, m in mods.items()}
+    weights, biases = projection_weights(layer, layout)
+    return {p: w.detach().T for p, w in weights.items()}, biases
 
 
 def _modules(groups: list[Group], biases: dict, layout: AttentionLayout, dtype: torch.dtype) -> dict:
@@ -302,8 +302,7 @@ def compress_layer(
     phases.lap("o")
     if stream is not None and method.stream == "teacher":
         propagate(layer, stream, layout, contexts)
-    for p, m in replacements.items():
-        set_module(layer, layout.projections[p], m.to(weights[p].device))
+    place(layer, layout.projections, {p: m.to(weights[p].device) for p, m in replacements.items()})
     if stream is not None and method.stream == "student":
         propagate(layer, stream, layout, contexts)
     phases.lap("propagate")

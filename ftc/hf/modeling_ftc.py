@@ -194,6 +194,45 @@ class GroupProjection(nn.Module):
         return f"{self.proj}: columns {self.start}:{self.stop} of a {type(self.group).__name__}"
 
 
+class FusedProjection(nn.Module):
+    """Stands where a fused projection stood (Phi-3's `qkv_proj`, rows Q, then K, then V): its
+    members' outputs side by side, in that order.
+
+    Members of one group share its forward (`FactorGroup.output_for`), so a Tucker Q/K/V group
+    still runs once; only the concatenation is added.
+    """
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        self.in_features = members[0].in_features
+        self.out_features = sum(m.out_features for m in members)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self.members], dim=-1)
+
+
+def modules_of(names: dict[str, str], projs) -> dict[str, list[str]]:
+    """The projections (of `projs`) held by each module name, in q, k, v, o order: one per module,
+    or several row blocks of one fused module (Phi-3: `q`, `k` and `v` all name `qkv_proj`)."""
+    held: dict[str, list[str]] = {}
+    for proj in sorted(projs, key="qkvo".index):
+        held.setdefault(names[proj], []).append(proj)
+    return held
+
+
+def place(layer: nn.Module, names: dict[str, str], modules: dict[str, nn.Module]) -> None:
+    """Install projection modules (keyed `q`/`k`/`v`/`o`) in `layer` under their module names; the
+    members of a fused module are installed together as one `FusedProjection`."""
+    for name, members in modules_of(names, modules).items():
+        fused = [p for p in "qkvo" if names.get(p) == name]
+        if members != fused:
+            raise ValueError(f"{name} holds {fused} as one fused projection; got modules for {members} only")
+        module = modules[members[0]] if len(members) == 1 else FusedProjection([modules[p] for p in members])
+        parent, _, leaf = name.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, leaf, module)
+
+
 GROUP_KINDS: dict[str, type[FactorGroup]] = {"tucker": TuckerGroup, "cp": CPGroup, "lowrank": LowRankGroup}
 """Runtime class of each stored group kind."""
 
@@ -225,14 +264,15 @@ def install_groups(model: nn.Module, block: dict) -> None:
     for entry in block["layers"]:
         layer = layers[entry["index"]]
         groups = nn.ModuleDict()
+        modules: dict[str, GroupProjection] = {}
         for spec in entry["groups"]:
             group = groups[group_name(spec)] = make_group(spec)
             for proj, module in projections(group, block["head_dim"], {}).items():
                 old = layer.get_submodule(names[proj])
                 if getattr(old, "bias", None) is not None:
                     module.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
-                parent, _, leaf = names[proj].rpartition(".")
-                setattr(layer.get_submodule(parent) if parent else layer, leaf, module)
+                modules[proj] = module
+        place(layer, names, modules)
         layer.ftc = groups
 
 

@@ -1,7 +1,7 @@
 """Families whose layers are not all alike (Gemma 3: sliding-window and global layers with their own
-mask and rotary base) or whose attention norms sit elsewhere (OLMo 2): every method compresses them,
-the artifact reproduces the in-memory compression, transformers loads it, and the dense export is a
-stock checkpoint with the same outputs."""
+mask and rotary base), whose attention norms sit elsewhere (OLMo 2) or whose Q, K and V are one
+fused projection (Phi-3): every method compresses them, the artifact reproduces the in-memory
+compression, transformers loads it, and the dense export is a stock checkpoint with the same outputs."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ftc.arch import UnsupportedModel, decoder_layers, layer_types, layout_of
+from ftc.arch import UnsupportedModel, decoder_layers, layer_types, layout_of, projection_weights
 from ftc.artifact import load_artifact
 from ftc.export import export_dense
+from ftc.hf.modeling_ftc import place
 from ftc.methods import make_method
 from ftc.options import METHODS
 from ftc.pipeline import layer_inputs, propagate
 from tests.support.pipeline import compress_loaded, compress_model
 from tests.support.tiny import tiny_model
 
-FAMILIES = ["gemma3", "olmo2"]
+FAMILIES = ["gemma3", "olmo2", "phi3"]
 IDS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))
 
 
@@ -103,3 +104,70 @@ def test_the_dry_run_shows_the_family_its_layer_types_and_projections(tiny_folde
     assert shown["model_type"] == "gemma3_text" and shown["layers"] == 4
     assert shown["layer_types"] == {"sliding_attention": 2, "full_attention": 2}
     assert shown["projections"]["q"] == "self_attn.q_proj" and shown["heads"] == 2 and shown["kv_heads"] == 1
+
+
+def test_a_multimodal_gemma3_checkpoint_is_refused_with_one_line_naming_the_text_only_family(tmp_path, capsys):
+    """Its decoder sits under another name in the checkpoint than in the module tree, beside a vision
+    tower: the dry run refuses it, and says what to pass instead."""
+    from transformers import Gemma3Config
+
+    from cli.main import main
+
+    text = tiny_model("gemma3").config.to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=255)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mm")
+    capsys.readouterr()  # the save's progress bar
+    assert main(["compress", "--model", str(tmp_path / "mm"), "--dry-run"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "multimodal" in error
+    assert "pass a text-only checkpoint (model_type 'gemma3_text')" in error and "Traceback" not in error
+
+
+def test_the_dry_run_names_phi3s_fused_projection(tiny_folder):
+    from ftc.compress import CompressOptions, plan
+
+    shown = plan(CompressOptions(model=str(tiny_folder("phi3")), ratio=0.3, device="cpu"))
+    assert shown["model_type"] == "phi3" and shown["fused_qkv"] == "self_attn.qkv_proj"
+    assert {shown["projections"][p] for p in "qkv"} == {"self_attn.qkv_proj"}
+    assert shown["projections"]["o"] == "self_attn.o_proj" and shown["heads"] == 4 and shown["kv_heads"] == 2
+
+
+def test_phi3s_fused_rows_split_into_q_k_v_and_installed_back_compute_the_same_layer():
+    """The split the methods see, put back as three modules, is Phi-3's own attention again."""
+    model = tiny_model("phi3")
+    layout = layout_of(model.config)
+    layer = decoder_layers(model, layout)[0]
+    stream = layer_inputs(model, layout, IDS, 2, torch.device("cpu"))
+    (h,), (kw,) = stream.hidden, stream.kwargs
+    with torch.no_grad():
+        expected = layer(h, **kw)
+        weights, _ = projection_weights(layer, layout)
+        assert [tuple(weights[p].shape) for p in "qkv"] == [(64, 64), (32, 64), (32, 64)]
+        parts = {p: torch.nn.Linear(64, weights[p].shape[0], bias=False) for p in "qkv"}
+        for p, module in parts.items():
+            module.weight.copy_(weights[p])
+        place(layer, layout.projections, parts)
+        torch.testing.assert_close(layer(h, **kw), expected)
+
+
+def test_phi3s_fused_projection_is_one_module_of_q_k_v_rows_in_every_form(tiny_artifact, tmp_path):
+    """The artifact runs one module where `qkv_proj` stood (its Tucker group computed once per
+    forward) and the dense export writes back one `qkv_proj.weight` of Q, K and V rows."""
+    from safetensors import safe_open
+
+    folder = tiny_artifact("phi3")
+    model, _, _ = load_artifact(folder)
+    layer = model.get_submodule("model.layers.0")
+    fused = layer.get_submodule("self_attn.qkv_proj")
+    assert type(fused).__name__ == "FusedProjection" and fused.out_features == 4 * 16 + 2 * 2 * 16
+    calls: list[int] = []
+    layer.ftc["qkv"].register_forward_hook(lambda *_: calls.append(1))
+    _logits(model)
+    assert calls == [1]
+    export_dense(folder, tmp_path / "dense", dtype="float32")
+    with safe_open(tmp_path / "dense" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("model.layers.0.self_attn.qkv_proj.weight").get_shape() == [128, 64]
+    assert not {n.split(".")[-2] for n in names} & {"q_proj", "k_proj", "v_proj"}

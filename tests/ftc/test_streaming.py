@@ -91,7 +91,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path):
 def test_an_unsupported_architecture_fails_fast_naming_the_supported_ones():
     from transformers import GPT2Config
 
-    supported = "gemma, gemma2, gemma3_text, gptj, llama, mistral, olmo2, qwen2, qwen3"
+    supported = "gemma, gemma2, gemma3_text, gptj, llama, mistral, olmo2, phi3, qwen2, qwen3"
     with pytest.raises(UnsupportedModel, match=f"supported: {supported}"):
         layout_of(GPT2Config())
 

@@ -11,6 +11,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -40,6 +41,11 @@ LAYOUTS = {
     ),
     # OLMo 2: q/k-norm over the whole projection, norms after attention and MLP
     "olmo2": lambda: Olmo2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **COMMON),
+    # Phi-3: one fused qkv_proj (rows Q, K, V), GQA, rotary on part of each head, fused gate_up_proj
+    "phi3": lambda: Phi3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
+        pad_token_id=0, eos_token_id=0, **COMMON
+    ),
     # GPT-J: MHA, rotary on part of each head, parallel attention and MLP
     "gptj": lambda: GPTJConfig(
         vocab_size=256, n_embd=64, n_head=4, rotary_dim=8, n_layer=2, n_positions=256, n_inner=96,
