@@ -54,7 +54,8 @@ def _clock(device: torch.device) -> float:
 
 def dense_forward_seconds(model, tokenizer, options: CompressOptions) -> float:
     """Time of one dense pass of the decoder stack over the calibration tokens, batch by batch,
-    hidden states kept on the host between layers as the compressing pipeline does."""
+    hidden states kept on the host between layers as the compressing pipeline does (each layer
+    with its own type's kwargs: Gemma 2/3's global layers do not take the sliding-window mask)."""
     from ftc.arch import decoder_layers, layout_of
 
     device = torch.device(options.device)
@@ -63,8 +64,8 @@ def dense_forward_seconds(model, tokenizer, options: CompressOptions) -> float:
     t0 = _clock(device)
     with torch.no_grad():
         stream = layer_inputs(model, layout, calib, options.batch_size, device)
-        for layer in decoder_layers(model, layout):
-            propagate(layer, stream)
+        for index, layer in enumerate(decoder_layers(model, layout)):
+            propagate(layer, stream.at(index))
     return _clock(device) - t0
 
 
