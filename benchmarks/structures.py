@@ -64,7 +64,7 @@ def layer_errors(model, tokenizer, layers: list[int], ratios: list[float]) -> li
     The metric of every listed layer comes from one pass of the calibration tokens through the
     original model (the `no_sequential` stream), so both structures see exactly the same tensor.
     """
-    from ftc.arch import decoder_layers, get_module, layout_of
+    from ftc.arch import decoder_layers, get_module, layout_of, projection_weights
     from ftc.compress import calibration_batch
     from ftc.cp import compress_cp
     from ftc.metric import Moments, Whitening
@@ -86,7 +86,7 @@ def layer_errors(model, tokenizer, layers: list[int], ratios: list[float]) -> li
             hook.remove()
     rows = []
     for i in layers:
-        weights = {p: get_module(decoder[i], n).weight.detach().T for p, n in layout.projections.items()}
+        weights = {p: w.detach().T for p, w in projection_weights(decoder[i], layout)[0].items()}
         tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim)
         whitening = Whitening.from_gram(moments[i].gram)
         for ratio in ratios:
