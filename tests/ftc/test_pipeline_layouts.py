@@ -13,6 +13,7 @@ from ftc.arch import layout_of
 from ftc.artifact import WEIGHTS
 from ftc.data import load_text
 from ftc.methods import make_method
+from ftc.options import ABLATIONS
 from ftc.stored import stored_values
 from tests.support.pipeline import compress_loaded, compress_model
 from tests.support.tiny import LAYOUTS, tiny_model
@@ -88,8 +89,7 @@ def test_stored_size_is_within_budget_and_equals_the_file(method, ratio, tmp_pat
             assert qkv <= ratio * layout.qkv_params
 
 
-@pytest.mark.parametrize("ablation", ["no_whiten", "no_sequential", "no_slice_norm", "no_wo_target",
-                                      "no_anchor", "fixed_ranks", "kv_repeat"])
+@pytest.mark.parametrize("ablation", ABLATIONS)
 def test_every_ablation_runs_and_reloads(ablation, tmp_path, tiny_run):
     model, reloaded, _, calib = _compress(tiny_run, tmp_path / "a", "gqa", "ftc", 0.4, ablations=(ablation,))
     expected_model = _in_memory(model, "ftc", 0.4, calib, (ablation,))
