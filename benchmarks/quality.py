@@ -209,6 +209,8 @@ def main() -> None:
                         choices=["all", "main", "ablations", "timing", "render", "tasks", "structures"])
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.8, 0.6, 0.4, 0.2])
     parser.add_argument("--ablation-ratios", type=float, nargs="*", default=[0.6, 0.2])
+    parser.add_argument("--ablations", nargs="*", default=list(ABLATIONS), choices=ABLATIONS,
+                        help="--part ablations: which FTC ablations (default: all)")
     parser.add_argument("--methods", nargs="*", default=list(METHODS))
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RESULTS / "quality.json")
@@ -264,7 +266,7 @@ def main() -> None:
     if args.part in ("all", "main"):
         jobs += [(m, r, "") for r in args.ratios for m in args.methods]
     if args.part in ("all", "ablations"):
-        jobs += [("ftc", r, a) for r in args.ablation_ratios for a in ABLATIONS]
+        jobs += [("ftc", r, a) for r in args.ablation_ratios for a in args.ablations]
     for method, ratio, ablation in jobs:
         key = cell_key(method, ratio, ablation)
         if key in results["cells"] and results["cells"][key]["windows"] == args.windows:
