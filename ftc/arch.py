@@ -27,11 +27,35 @@ FAMILIES: dict[str, tuple[str, tuple[str, str, str, str]]] = {
     "gptj": ("transformer.h", ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj")),
 }
 
-TEXT_ONLY = {"gemma3": "gemma3_text"}
-"""Multimodal wrappers and the text-only family of their language model. The wrapper's checkpoint
-names its decoder `language_model.model.*` while its module tree says `model.language_model.*`, and
-it carries a vision tower: compressing it would need a renaming weight source and artifact for one
-family, so it is refused with the way round."""
+
+@dataclass(frozen=True)
+class TextPart:
+    """Where a multimodal wrapper keeps its text decoder: the family and class of that decoder on its
+    own, and the checkpoint name prefixes of its weights with the prefix each has in that class."""
+
+    model_type: str
+    architecture: str
+    prefixes: tuple[tuple[str, str], ...]
+
+    def text_name(self, name: str) -> str | None:
+        """The text model's name for a checkpoint tensor, or None for one outside the text decoder
+        (vision tower, multimodal projector)."""
+        for wrapped, own in self.prefixes:
+            if name.startswith(wrapped):
+                return own + name[len(wrapped):]
+        return None
+
+
+TEXT_PARTS: dict[str, TextPart] = {
+    # saved checkpoints say `language_model.model.*` (and `language_model.lm_head` when untied);
+    # the module tree, and checkpoints saved from it, say `model.language_model.*` and `lm_head`
+    "gemma3": TextPart("gemma3_text", "Gemma3ForCausalLM", (
+        ("language_model.model.", "model."), ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."),
+    )),
+}
+"""Multimodal wrappers whose text decoder is compressed on its own: `ftc.weights.open_weights`
+presents it as a checkpoint of `model_type`, so nothing downstream sees the wrapper."""
 
 
 class UnsupportedModel(InputError):
@@ -85,14 +109,15 @@ class AttentionLayout:
 def layout_of(config) -> AttentionLayout:
     """Read the attention geometry from a transformers config, or name the supported families."""
     model_type = getattr(config, "model_type", None)
-    if model_type in TEXT_ONLY:
+    if model_type in TEXT_PARTS:  # its module tree nests the decoder beside a vision tower
         raise UnsupportedModel(
-            f"{model_type!r} is a multimodal checkpoint (vision tower + language model); only its text decoder "
-            f"could be compressed: pass a text-only checkpoint (model_type {TEXT_ONLY[model_type]!r})"
+            f"{model_type!r} is a multimodal wrapper; read it through ftc.weights.open_weights, which presents "
+            f"its text decoder as a {TEXT_PARTS[model_type].model_type!r} checkpoint"
         )
     if model_type not in FAMILIES:
         raise UnsupportedModel(
-            f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+            f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}; "
+            f"and the text decoder of: {', '.join(sorted(TEXT_PARTS))}"
         )
     layers_path, (q, k, v, o) = FAMILIES[model_type]
     hidden = config.hidden_size if hasattr(config, "hidden_size") else config.n_embd

@@ -28,11 +28,11 @@ from .options import ALLOCATIONS, DTYPES, METHODS, InputError, parse_ablations, 
 from .pipeline import compress_layers, layer_inputs, planned, survey_layers
 from .weights import (
     ModuleSource,
-    load_config,
     materialize_embedding_rows,
     open_weights,
     release,
     skeleton,
+    text_part,
 )
 
 
@@ -89,16 +89,17 @@ def calibration_batch(tokenizer, options: CompressOptions, hidden: int) -> torch
 
 
 def open_model(options: CompressOptions, loaded: tuple | None = None):
-    """`(weights, tokenizer, source)` without loading any weight into memory."""
+    """`(weights, tokenizer, source)` without loading any weight into memory; a multimodal model's
+    weights are its text decoder's (`ftc.weights.TextPartSource`)."""
     if loaded is not None:
         model, tokenizer, source = loaded
-        return ModuleSource(model), tokenizer, source
+        return text_part(ModuleSource(model)), tokenizer, source
     source = resolve_model(options.model)
     if source.kind == "artifact":
         raise InputError(f"--model {options.model} is already a compressed artifact; give the base model")
-    config = load_config(source)
-    layout_of(config)  # fail fast on an unsupported architecture
-    return open_weights(source, config), load_tokenizer(source), source
+    weights = open_weights(source)
+    layout_of(weights.config)  # fail fast on an unsupported architecture
+    return weights, load_tokenizer(source), source
 
 
 def compress(
@@ -136,7 +137,8 @@ def compress(
     try:
         run = compress_to_store(store, weights, layout, method, calib, options, device,
                                 progress=progress, on_layer=on_layer)
-        manifest = build_manifest(options, method, source, layout, calib, store.entries(), run, device)
+        manifest = build_manifest(options, method, source, layout, calib, store.entries(), run, device,
+                                  text_part_of=weights.text_part_of)
         manifest = assemble(out_dir, store, weights.config, tokenizer, manifest, overwrite)
     finally:
         if temporary:
@@ -217,10 +219,18 @@ def compress_to_store(store: LayerStore, weights, layout: AttentionLayout, metho
 
 
 def build_manifest(options: CompressOptions, method: Method, source, layout: AttentionLayout,
-                   calib: torch.Tensor | None, entries: list[dict], run: LayerRun, device: torch.device) -> dict:
-    """The artifact's manifest (docs/artifact.md): what was asked, what the method fixed, what was stored."""
+                   calib: torch.Tensor | None, entries: list[dict], run: LayerRun, device: torch.device,
+                   text_part_of: str | None = None) -> dict:
+    """The artifact's manifest (docs/artifact.md): what was asked, what the method fixed, what was stored.
+
+    `text_part_of` names the multimodal model whose text decoder alone was compressed; only then is it
+    recorded, so the manifests of text-only models stay as they were.
+    """
+    base_model = {**source.describe(), "model_type": layout.model_type}
+    if text_part_of is not None:
+        base_model["text_part_of"] = text_part_of
     return {
-        "base_model": {**source.describe(), "model_type": layout.model_type},
+        "base_model": base_model,
         "method": options.method,
         "ratio": options.ratio,
         "options": {**asdict(options), "ablate": list(options.ablate)},
@@ -272,9 +282,9 @@ def plan(options: CompressOptions) -> dict:
     """What a run will do and need, read from the config alone (`--dry-run`)."""
     options.validate()
     source = resolve_model(options.model)
-    config = load_config(source)
+    weights = open_weights(source)
+    config = weights.config
     layout = layout_of(config)
-    weights = open_weights(source, config)
     model = skeleton(config)
     layer_params = sum(p.numel() for p in model.get_submodule(f"{layout.layers_path}.0").parameters())
     tokens = options.calib_samples * options.seq_len
@@ -282,7 +292,8 @@ def plan(options: CompressOptions) -> dict:
     stream_bytes = tokens * layout.hidden * 4
     workspace = 8 * layout.hidden**2 * 3 + 4 * layout.qkv_params * 4  # Grams (float64) + tensor copies
     return {
-        "model": source.describe(), "model_type": layout.model_type, "layers": n_layers,
+        "model": source.describe(), "model_type": layout.model_type, "text_part_of": weights.text_part_of,
+        "layers": n_layers,
         "layer_types": dict(Counter(layer_types(config, n_layers))), "projections": layout.projections,
         "fused_qkv": layout.fused_qkv,
         "hidden": layout.hidden, "heads": layout.heads, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,

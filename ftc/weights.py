@@ -3,11 +3,13 @@
 The pipeline never holds a whole model: it builds the module tree on the meta device, then
 materialises one decoder layer from the source onto the compute device, compresses it, writes
 it out and releases it. Sources: safetensors (one file or an index with shards, memory-mapped),
-GGUF (memory-mapped, dequantised per tensor), or a model already in memory.
+GGUF (memory-mapped, dequantised per tensor), or a model already in memory. A multimodal checkpoint
+(`ftc.arch.TEXT_PARTS`) is opened as its text decoder alone, a checkpoint of the text family.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Protocol
@@ -15,13 +17,17 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .arch import TEXT_PARTS, TextPart
 from .models import ModelSource
+from .options import InputError
 
 
 class WeightSource(Protocol):
     config: object
     resident: bool
     """True when every weight already sits in host memory: there is no footprint left to bound."""
+    text_part_of: str | None
+    """The multimodal `model_type` whose text decoder this source presents (None: the whole checkpoint)."""
 
     def names(self) -> list[str]: ...
 
@@ -35,6 +41,7 @@ class SafetensorsSource:
     """`model.safetensors` or `model.safetensors.index.json` + shards in a Hugging Face folder."""
 
     resident = False
+    text_part_of = None
 
     def __init__(self, folder: Path, config) -> None:
         from safetensors import safe_open
@@ -68,6 +75,7 @@ class GGUFSource:
     """A GGUF file: tensors are dequantised one at a time from the memory-mapped file."""
 
     resident = False
+    text_part_of = None
 
     def __init__(self, path: Path, config) -> None:
         from gguf import GGUFReader
@@ -109,6 +117,7 @@ class ModuleSource:
     """A model already in memory (benchmarks and tests reuse one loaded model for many runs)."""
 
     resident = True
+    text_part_of = None
 
     def __init__(self, model: nn.Module) -> None:
         self.config = model.config
@@ -137,11 +146,70 @@ def load_config(source: ModelSource):
     return config
 
 
+class TextPartSource:
+    """The text decoder of a multimodal checkpoint presented as a checkpoint of its own family: the
+    text model's config (`text_model_config`) and its tensors under the text model's names. The
+    vision tower and projector are never listed, so they are never read; the rest of the library
+    sees a text-only model."""
+
+    def __init__(self, wrapped: WeightSource) -> None:
+        self.text_part_of = wrapped.config.model_type
+        part = TEXT_PARTS[self.text_part_of]
+        self.config = text_model_config(wrapped.config, part)
+        self.resident = wrapped.resident
+        self._wrapped = wrapped
+        self._names: dict[str, str] = {}  # text model name -> checkpoint name
+        for name in wrapped.names():
+            own = part.text_name(name)
+            if own in self._names:
+                raise InputError(f"the checkpoint holds both {self._names[own]} and {name} for the text model's "
+                                 f"{own}; save it again with transformers (`save_pretrained`)")
+            if own is not None:
+                self._names[own] = name
+        if not self._names:
+            raise InputError(f"the {self.text_part_of!r} checkpoint holds no tensor of its text decoder (names "
+                             f"starting {', '.join(w for w, _ in part.prefixes)}); save it again with transformers")
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._wrapped.get(self._names[name])
+
+    @property
+    def nbytes(self) -> int:
+        return self._wrapped.nbytes
+
+
+def text_model_config(config, part: TextPart):
+    """The wrapper's `text_config` as the config of a model of its own (`part.architecture`).
+
+    transformers ties a wrapper's output head to the embeddings by the wrapper's own
+    `tie_word_embeddings`, so that flag replaces the text config's; the wrapper's dtype is kept
+    where the text config names none.
+    """
+    text = copy.deepcopy(config.text_config)
+    if text.model_type != part.model_type:
+        raise InputError(f"text_config.model_type is {text.model_type!r}; a {config.model_type!r} checkpoint's "
+                         f"text decoder must be {part.model_type!r}")
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+    text.architectures = [part.architecture]
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(config, "dtype", None)
+    return text
+
+
+def text_part(weights: WeightSource) -> WeightSource:
+    """`weights` as its text decoder when it is a multimodal checkpoint (`TEXT_PARTS`), else unchanged."""
+    return TextPartSource(weights) if getattr(weights.config, "model_type", None) in TEXT_PARTS else weights
+
+
 def open_weights(source: ModelSource, config=None) -> WeightSource:
+    """The checkpoint's weights, read one tensor at a time; a multimodal one opens as its text decoder."""
     config = config or load_config(source)
     if source.kind == "gguf":
-        return GGUFSource(source.path / source.gguf_file, config)
-    return SafetensorsSource(source.path, config)
+        return text_part(GGUFSource(source.path / source.gguf_file, config))
+    return text_part(SafetensorsSource(source.path, config))
 
 
 def skeleton(config) -> nn.Module:

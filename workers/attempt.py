@@ -114,7 +114,7 @@ class Attempt:
         calibration = local_dataset(self.store, request.calibration.dataset, cache)
         datasets = {name: local_dataset(self.store, name, cache) for name in request.evaluation.datasets}
         options = compress_options(request, model, calibration, self.device)
-        layers = load_config(resolve_model(model)).num_hidden_layers
+        layers = load_config(resolve_model(model)).get_text_config().num_hidden_layers  # a multimodal config nests it
         restored = self.checkpoints.restore()
         if restored:
             log.info("resuming at layer %d of %d (%d layers from checkpoints)", restored, layers, restored)

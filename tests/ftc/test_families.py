@@ -106,25 +106,6 @@ def test_the_dry_run_shows_the_family_its_layer_types_and_projections(tiny_folde
     assert shown["projections"]["q"] == "self_attn.q_proj" and shown["heads"] == 2 and shown["kv_heads"] == 1
 
 
-def test_a_multimodal_gemma3_checkpoint_is_refused_with_one_line_naming_the_text_only_family(tmp_path, capsys):
-    """Its decoder sits under another name in the checkpoint than in the module tree, beside a vision
-    tower: the dry run refuses it, and says what to pass instead."""
-    from transformers import Gemma3Config
-
-    from cli.main import main
-
-    text = tiny_model("gemma3").config.to_dict()
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=255)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mm")
-    capsys.readouterr()  # the save's progress bar
-    assert main(["compress", "--model", str(tmp_path / "mm"), "--dry-run"]) == 2
-    error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and "multimodal" in error
-    assert "pass a text-only checkpoint (model_type 'gemma3_text')" in error and "Traceback" not in error
-
-
 def test_the_dry_run_names_phi3s_fused_projection(tiny_folder):
     from ftc.compress import CompressOptions, plan
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3Config,
     Gemma3TextConfig,
     GemmaConfig,
     GPTJConfig,
@@ -54,10 +55,8 @@ LAYOUTS = {
 }
 
 
-def tiny_model(layout: str, seed: int = 0, vocab_size: int | None = None, layers: int | None = None,
-               hidden: int | None = None):
-    """A random model; weights are perturbed so every bias is non-zero (Qwen2 biases start at 0)."""
-    torch.manual_seed(seed)
+def tiny_config(layout: str, vocab_size: int | None = None, layers: int | None = None, hidden: int | None = None):
+    """The config of `LAYOUTS[layout]`, resized."""
     config = LAYOUTS[layout]()
     if vocab_size is not None:
         config.vocab_size = vocab_size
@@ -69,9 +68,35 @@ def tiny_model(layout: str, seed: int = 0, vocab_size: int | None = None, layers
         config.hidden_size = hidden
         config.head_dim = hidden // config.num_attention_heads
         config.intermediate_size = 2 * hidden
-    model = AutoModelForCausalLM.from_config(config).eval()
+    return config
+
+
+def tiny_model(layout: str, seed: int = 0, vocab_size: int | None = None, layers: int | None = None,
+               hidden: int | None = None):
+    """A random model; weights are perturbed so every bias is non-zero (Qwen2 biases start at 0)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(layout, vocab_size, layers, hidden)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
     return model
+
+
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                   patch_size=14)
+"""A SigLIP tower of one layer: 2x2 patches of a 28-pixel image, 4 image tokens."""
+
+
+def tiny_multimodal(vocab_size: int = 256, layers: int = 2, tied: bool = True, seed: int = 0):
+    """A random Gemma 3 vision-language model (`Gemma3ForConditionalGeneration`) around the tiny
+    `gemma3` text decoder; the image token is the last id, so text ids below it are text only.
+
+    `tied` is the wrapper's own flag (the one transformers ties the head by); the text config keeps
+    its default, so a reader that trusted the text config's flag would get the head wrong.
+    """
+    torch.manual_seed(seed)
+    text = tiny_config("gemma3", vocab_size, layers).to_dict()
+    config = Gemma3Config(text_config=text, vision_config=TINY_VISION, mm_tokens_per_image=4,
+                          image_token_index=vocab_size - 1, tie_word_embeddings=tied)
+    return AutoModelForCausalLM.from_config(config).eval()
