@@ -127,6 +127,8 @@ def compress(
     dtype = storage_dtype(options.dtype)
     method = make_method(options.method, options.ratio, dtype, options.ablate, options.allocation)
     calib = calibration_batch(tokenizer, options, layout.hidden) if method.needs_data else None
+    if loaded is None:
+        tokenizer = None  # tens of MB held through every layer otherwise; the artifact reloads it
     if method.plans:
         method = plan_budgets(method, weights, layout, calib, options, device, progress)
     temporary = work_dir is None
@@ -139,6 +141,7 @@ def compress(
                                 progress=progress, on_layer=on_layer)
         manifest = build_manifest(options, method, source, layout, calib, store.entries(), run, device,
                                   text_part_of=weights.text_part_of)
+        tokenizer = tokenizer or load_tokenizer(source)
         manifest = assemble(out_dir, store, weights.config, tokenizer, manifest, overwrite)
     finally:
         if temporary:

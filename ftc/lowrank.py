@@ -67,14 +67,21 @@ def calibrated_wo(
     rises tenfold while the solve is not finite (§3); if none is, the pretrained weight is kept
     and `eps` is None.
     """
-    w_o = w_o.to(WORK_DTYPE)
-    lhs = gram_ss + anchor * gram_tt
-    rhs = (gram_st + anchor * gram_tt) @ w_o
+    # each side built in its own buffer, and the float64 W_O freed before the solve: no scaled
+    # copy of a d x d float64 Gram beside them
+    original = w_o.to(WORK_DTYPE)
+    rhs = (gram_st @ original).addmm_(gram_tt, original, alpha=anchor)
+    del original
+    lhs = torch.add(gram_ss, gram_tt, alpha=anchor)
     for chol, used in damped_factors(lhs, eps):
         solution = torch.cholesky_solve(rhs, chol)
         if bool(torch.isfinite(solution).all()):
             return solution, used
-    return w_o, None
+    return w_o.to(WORK_DTYPE), None
+
+
+ERROR_COLUMNS = 512
+"""Output columns per step of `weighted_error`: its float64 temporaries are this wide, not `out`."""
 
 
 def weighted_error(
@@ -86,14 +93,20 @@ def weighted_error(
     `gram` is None. `balance` weighs each slice by `a_s = 1 / tr(W_s^T C W_s)`, so every slice's
     relative error counts the same (the objective of slice balancing, §4); otherwise `a_s = 1`.
     """
-    w = w.to(WORK_DTYPE)
     w = w if w.dim() == 3 else w[None]
-    diff = w - approx.to(WORK_DTYPE).reshape(w.shape)
-    if gram is None:
-        energy, err = w.pow(2).sum((1, 2)), diff.pow(2).sum((1, 2))
-    else:
-        gram = gram.to(WORK_DTYPE)
-        energy, err = (w * (gram @ w)).sum((1, 2)), (diff * (gram @ diff)).sum((1, 2))
+    approx = approx.reshape(w.shape)
+    gram = None if gram is None else gram.to(WORK_DTYPE)
+    energy = torch.zeros(w.shape[0], dtype=WORK_DTYPE, device=w.device)
+    err = torch.zeros_like(energy)
+    for start in range(0, w.shape[2], ERROR_COLUMNS):  # float64 temporaries of a few columns at a time
+        part = w[..., start : start + ERROR_COLUMNS].to(WORK_DTYPE)
+        diff = part - approx[..., start : start + ERROR_COLUMNS].to(WORK_DTYPE)
+        if gram is None:
+            energy += part.pow(2).sum((1, 2))
+            err += diff.pow(2).sum((1, 2))
+        else:
+            energy += (part * (gram @ part)).sum((1, 2))
+            err += (diff * (gram @ diff)).sum((1, 2))
     weight = 1.0 / energy.clamp_min(torch.finfo(WORK_DTYPE).tiny) if balance else torch.ones_like(energy)
     return float((weight * err).sum() / (weight * energy).sum())
 

@@ -109,8 +109,11 @@ def damped_factors(
     at the first level whose *outcome* it accepts (`guarded_cholesky`, `guarded_fit`).
     """
     gram = gram.to(WORK_DTYPE)
+    info = torch.empty((), dtype=torch.int32, device=gram.device)
     while eps <= max_eps * (1 + 1e-9):
-        chol, info = torch.linalg.cholesky_ex(damp(gram, eps))
+        damped = damp(gram, eps)
+        # factorised in place: one d x d float64 buffer per level, not the damped copy and its factor
+        chol, info = torch.linalg.cholesky_ex(damped, out=(damped, info))
         if int(info) == 0 and bool(torch.isfinite(chol).all()):
             yield chol, eps
         eps *= 10.0

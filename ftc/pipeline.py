@@ -184,6 +184,11 @@ class _Replay(nn.Module):
         return self.out_proj(self.context), None
 
 
+REPLAY_TOKENS = 1024
+"""Tokens per piece of a batch propagated past a replayed attention: the MLP's activations (three
+`tokens x intermediate` float32 buffers, 700 MB for a 4096-token batch at a 7B shape) scale with it."""
+
+
 @torch.no_grad()
 def propagate(
     layer: nn.Module, stream: Stream, layout: AttentionLayout | None = None, contexts: list | None = None
@@ -192,20 +197,26 @@ def propagate(
 
     With `contexts` (one attention context per batch, from `context_stats` on the same stream and
     the same Q/K/V), the attention is not recomputed: see `_Replay`. Each context is dropped once used.
+    Everything after the attention acts on each token alone, so a replayed batch goes through in
+    pieces of whole sequences, about `REPLAY_TOKENS` tokens each.
     """
     block = None if contexts is None else layout.o.rpartition(".")[0]
     for i, (h, kw) in enumerate(stream.batches()):
         if contexts is None:
-            out = layer(h, **kw)
-        else:
-            attention = get_module(layer, block)
-            set_module(layer, block, _Replay(get_module(layer, layout.o), contexts[i].to(stream.device)))
-            contexts[i] = None
-            try:
-                out = layer(h, **kw)
-            finally:
-                set_module(layer, block, attention)
-        stream.hidden[i] = stream.keep(_layer_output(out))
+            stream.hidden[i] = stream.keep(_layer_output(layer(h, **kw)))
+            continue
+        context, contexts[i] = contexts[i], None
+        attention, out_proj = get_module(layer, block), get_module(layer, layout.o)
+        out = torch.empty_like(h)
+        rows = max(1, REPLAY_TOKENS // max(1, h[0].numel() // h.shape[-1]))  # sequences per piece
+        try:
+            for start in range(0, h.shape[0], rows):
+                set_module(layer, block, _Replay(out_proj, context[start : start + rows].to(stream.device)))
+                out[start : start + rows] = _layer_output(layer(h[start : start + rows], **kw))
+        finally:
+            set_module(layer, block, attention)
+        del context
+        stream.hidden[i] = stream.keep(out)
 
 
 @torch.no_grad()
@@ -264,8 +275,12 @@ def compress_layer(
     stream: Stream | None,
     compute_dtype: torch.dtype,
     trim: bool = False,
+    load_rest: Callable[[], None] | None = None,
 ) -> tuple[list[Group], dict]:
     """Compress one decoder layer in place and advance the stream through it (§3, §8).
+
+    `load_rest` materialises what only propagation needs (the MLP, see `after_attention`), so
+    those weights are not resident during the Q/K/V and W_O math.
 
     The report carries seconds per phase (statistics passes, Q/K/V math, W_O math, propagation),
     so a slow run shows whether the data passes or the factorisations cost the time. `trim`
@@ -300,6 +315,8 @@ def compress_layer(
     if trim:
         trim_host_memory()
     phases.lap("o")
+    if load_rest is not None:
+        load_rest()
     if stream is not None and method.stream == "teacher":
         propagate(layer, stream, layout, contexts)
     place(layer, layout.projections, {p: m.to(weights[p].device) for p, m in replacements.items()})
@@ -333,6 +350,40 @@ def trim_host_memory() -> None:
         pass
 
 
+MAPPED_BYTES = 1 << 20
+"""Allocations from this size up get their own mapping under `map_large_allocations`."""
+
+
+def map_large_allocations() -> None:
+    """Give every allocation of `MAPPED_BYTES` or more its own mapping, unmapped when freed (glibc).
+
+    glibc raises this threshold as large blocks are freed (up to 32 MB), after which the
+    factorisations' mid-size buffers come from the heap and linger there as fragments until the
+    next trim, under the peak of the step that follows (about 100 MB of a 7B-shaped layer's).
+    """
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, MAPPED_BYTES)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def after_attention(layer: nn.Module, layout: AttentionLayout) -> Callable[[str], bool]:
+    """Whether a parameter of `layer` (name relative to it) is only used after the attention.
+
+    Those are the Linear weights outside the attention block: the MLP, most of a layer's size
+    (352 of 436 MB at a 7B shape in float16). Everything else (norms, the attention block) is
+    needed by the statistics passes that run up to the output projection.
+    """
+    block = layout.o.rpartition(".")[0]
+
+    def after(name: str) -> bool:
+        owner = name.rpartition(".")[0]
+        inside = owner == block or owner.startswith(block + ".")
+        return bool(block) and bool(owner) and not inside and isinstance(layer.get_submodule(owner), nn.Linear)
+
+    return after
+
+
 def compress_layers(
     model: nn.Module,
     layout: AttentionLayout,
@@ -354,17 +405,26 @@ def compress_layers(
     """
     t0 = time.perf_counter()
     bounded = weights is not None and not weights.resident  # streamed from disk: keep host memory low
+    if bounded:
+        map_large_allocations()
     result = PipelineResult()
     layers = decoder_layers(model, layout)
     bar = tqdm(range(start, len(layers)), desc=f"compress {type(method).__name__}", unit="layer",
                initial=start, total=len(layers), disable=not progress)
     for index in bar:
         name = f"{layout.layers_path}.{index}"
+        load_rest = None
         if weights is not None:
-            materialize(model, name, weights, device, compute_dtype)
+            later = after_attention(layers[index], layout)
+            materialize(model, name, weights, device, compute_dtype, include=lambda p, later=later: not later(p))
+
+            def load_rest(name=name, later=later) -> None:
+                materialize(model, name, weights, device, compute_dtype, include=later)
+
         t1 = time.perf_counter()
         groups, report = compress_layer(layers[index], layout, method.at_layer(index),
-                                        None if stream is None else stream.at(index), compute_dtype, trim=bounded)
+                                        None if stream is None else stream.at(index), compute_dtype, trim=bounded,
+                                        load_rest=load_rest)
         layer_result = LayerResult(index, groups, report, time.perf_counter() - t1, len(layers))
         if "error_refit" in report:
             bar.set_postfix(err=f"{report['error_refit']:.3f}")

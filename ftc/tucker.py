@@ -106,8 +106,12 @@ def times_u2(tensor: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
 
 
 def core_from(tu2: torch.Tensor, u1: torch.Tensor) -> torch.Tensor:
-    """`G_s = U1^T (B_s U2)` from `times_u2`'s products, as one `(S r2, d) @ (d, r1)` GEMM."""
-    return (tu2 @ u1).mT.contiguous()
+    """`G_s = U1^T (B_s U2)` from `times_u2`'s products, written straight into the `(S, r1, r2)` layout.
+
+    `U1^T` against the transposed view of every slice: the same products as one `(S r2, d) @ (d, r1)`
+    GEMM, without its `(S, r2, r1)` result and the transposed copy of it (two core-sized temporaries).
+    """
+    return u1.T @ tu2.mT
 
 
 def project_core(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
@@ -122,6 +126,11 @@ def reconstruct(u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor) -> torch
 
 GRAM_SLICES = 8
 """Slices unfolded (or whitened) at a time: bounds the full-size temporary to a few slices."""
+
+
+def squared_norm(tensor: torch.Tensor) -> float:
+    """`||B||_F^2`, summed a few slices at a time: no full-size temporary of squares."""
+    return sum(float(chunk.pow(2).sum()) for chunk in tensor.split(GRAM_SLICES))
 
 
 def mode1_gram(tensor: torch.Tensor) -> torch.Tensor:
@@ -146,25 +155,34 @@ def leading_eigenvectors(gram: torch.Tensor, count: int) -> torch.Tensor:
     These are the left singular vectors of the matrix the Gram was formed from: the HOSVD needs
     no right singular vectors, which for the mode-2 unfolding would be `(dh, S d)`.
     """
-    return torch.linalg.eigh(gram)[1].flip(1)[:, :count]
+    vectors = torch.linalg.eigh(gram)[1]
+    return vectors[:, vectors.shape[1] - count :].flip(1)  # copies only the columns kept
 
 
-def hosvd(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hosvd_ranks(tensor: torch.Tensor) -> tuple[int, int]:
+    """Ranks `(m1, m2)` of the full HOSVD of `(S, d, dh)`: `min(d, S dh)` and `min(dh, S d)`."""
+    slices, d, dh = tensor.shape
+    return min(d, slices * dh), min(dh, slices * d)
+
+
+def hosvd(tensor: torch.Tensor, max_r1: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full HOSVD with the slice mode kept (§5): nested factors, so `G[:, :r1, :r2]` truncates.
 
     Each factor comes from `eigh` of its unfolding's Gram, `(d x d)` and `(dh x dh)`, rather than
     an SVD of the `(d, S dh)` and `(dh, S d)` unfoldings: the same subspaces, far less work.
+    `max_r1` keeps only that many leading mode-1 vectors (and core rows): nesting makes the result
+    the leading block of the full one, at the memory of the part a budget can reach.
     """
-    slices, d, dh = tensor.shape
-    u1 = leading_eigenvectors(mode1_gram(tensor), min(d, slices * dh))
-    u2 = leading_eigenvectors(mode2_gram(tensor), min(dh, slices * d))
+    m1, m2 = hosvd_ranks(tensor)
+    u1 = leading_eigenvectors(mode1_gram(tensor), m1 if max_r1 is None else max(1, min(m1, max_r1)))
+    u2 = leading_eigenvectors(mode2_gram(tensor), m2)
     return u1, u2, project_core(tensor, u1, u2)
 
 
 def tucker_error(tensor: torch.Tensor, u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor) -> float:
     """`||B - U1 G U2^T||_F^2` without forming the reconstruction (U1, U2 orthonormal)."""
-    inner = (project_core(tensor, u1, u2) * core).sum()
-    return float(tensor.pow(2).sum() - 2 * inner + core.pow(2).sum())
+    inner = float((project_core(tensor, u1, u2) * core).sum())
+    return squared_norm(tensor) - 2 * inner + float(core.pow(2).sum())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,15 +232,33 @@ def _grid(limit: int, points: int) -> list[int]:
     return sorted({*range(step, limit + 1, step), limit})
 
 
+def reachable_r1(budget: int, d: int, dh: int) -> int:
+    """Largest `r1` at which some core fits `budget` beside the factors: `d r1 + dh < budget`.
+
+    Core rows past it can never be chosen, so the HOSVD need not project them (`hosvd(max_r1=)`).
+    """
+    return max(1, (budget - dh) // d)
+
+
 def allocate(
-    core: torch.Tensor, total_energy: float, budget: int, d: int, dh: int, grid_points: int = GRID_POINTS
+    core: torch.Tensor,
+    total_energy: float,
+    budget: int,
+    d: int,
+    dh: int,
+    grid_points: int = GRID_POINTS,
+    ranks: tuple[int, int] | None = None,
 ) -> Allocation:
     """Pick `(r1, r2, K)` with the least predicted error under the budget (§6).
 
     Candidates come from the one HOSVD core: a coarse grid over both ranks, then every rank pair
     around the best cell with the step halved each round, one rank at a time **[choice]**.
+    `ranks` are the full HOSVD's `(m1, m2)` that span the grid when `core` holds only the rows up
+    to `reachable_r1` (the candidates beyond fit no core, so the choice is the same).
     """
     slices, m1, m2 = core.shape
+    if ranks is not None:
+        m1, m2 = ranks
     best: Allocation | None = None
     table: _EnergyTable | None = None  # one at a time: each is a copy of up to the whole core
 
@@ -231,6 +267,8 @@ def allocate(
         kept = core_capacity(budget, d, dh, slices, r1, r2)
         if kept <= 0:
             return
+        if r1 > core.shape[1] or r2 > core.shape[2]:
+            raise ValueError(f"rank ({r1}, {r2}) fits the budget but the core holds only {tuple(core.shape[1:])}")
         if table is None or table.r2 != r2:
             table = None  # free the previous table before its successor is built
             table = _EnergyTable(core, r2)
@@ -368,10 +406,44 @@ class TuckerFactors:
         kept = r1 * r2 * slices if self.mask is None else int(self.mask.sum())
         return storage_values(d, dh, slices, r1, r2, kept)
 
-    def weights(self) -> torch.Tensor:
-        """The reconstructed `(S, d, dh)` tensor."""
+    def weights(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The reconstructed `(S, d, dh)` tensor, or its slices `start:stop`."""
         dtype = self.u1.dtype
-        return reconstruct(self.u1, self.core.to(dtype), self.u2.to(dtype))
+        return reconstruct(self.u1, self.core[start:stop].to(dtype), self.u2.to(dtype))
+
+
+class SliceError:
+    """`lowrank.weighted_error(tensor, factors.weights(), gram, balance)`, a few slices at a time.
+
+    The one-shot form holds five float64 copies of the whole tensor (the tensor, the
+    reconstruction, the difference and two products with the Gram: 1 GB at width 4096); this one
+    holds those of `GRAM_SLICES` slices. The guard measures several fits against the same tensor,
+    so the slice energies `tr(W_s^T C W_s)` are computed once, on the first call.
+    """
+
+    def __init__(self, tensor: torch.Tensor, gram: torch.Tensor | None, balance: bool) -> None:
+        self.tensor, self.balance = tensor, balance
+        self.gram = None if gram is None else gram.to(WORK_DTYPE)
+        self.energy: torch.Tensor | None = None
+
+    def _metric(self, w: torch.Tensor) -> torch.Tensor:
+        """`tr(W_s^T C W_s)` per slice (`C = I` without a Gram)."""
+        return w.pow(2).sum((1, 2)) if self.gram is None else (w * (self.gram @ w)).sum((1, 2))
+
+    def __call__(self, factors: TuckerFactors) -> float:
+        slices = self.tensor.shape[0]
+        err = torch.empty(slices, dtype=WORK_DTYPE, device=self.tensor.device)
+        energy = torch.empty_like(err) if self.energy is None else self.energy
+        for start in range(0, slices, GRAM_SLICES):
+            stop = start + GRAM_SLICES
+            w = self.tensor[start:stop].to(WORK_DTYPE)
+            if self.energy is None:
+                energy[start:stop] = self._metric(w)
+            err[start:stop] = self._metric(w - factors.weights(start, stop).to(WORK_DTYPE))
+        self.energy = energy
+        tiny = torch.finfo(WORK_DTYPE).tiny
+        weight = 1.0 / energy.clamp_min(tiny) if self.balance else torch.ones_like(energy)
+        return float((weight * err).sum() / (weight * energy).sum())
 
 
 @dataclass(frozen=True)
@@ -423,18 +495,19 @@ def compress_tensor(
     """
     slices, d, dh = tensor.shape
     balanced, norms = whiten_and_balance(tensor, whitening, balance)
-    total = float(balanced.pow(2).sum())
-    u1, u2, core = hosvd(balanced)
+    total = squared_norm(balanced)
+    ranks = hosvd_ranks(balanced)
+    u1, u2, core = hosvd(balanced, reachable_r1(budget, d, dh))
     if coupled:
-        alloc = allocate(core, total, budget, d, dh)
+        alloc = allocate(core, total, budget, d, dh, ranks=ranks)
     else:
-        r1, r2 = fixed_ranks(budget, d, dh, slices, u1.shape[1], u2.shape[1])
+        r1, r2 = fixed_ranks(budget, d, dh, slices, *ranks)
         dense = r1 * r2 * slices
         alloc = Allocation(r1, r2, dense, total - float(core[:, :r1, :r2].pow(2).sum()))
     del core
-    u1, u2, core, mask = prune_refit(
-        balanced, u1[:, : alloc.r1], u2[:, : alloc.r2], alloc.kept, steps, refits
-    )
+    # copies of the chosen columns, so the unchosen ones are freed before the refits
+    u1, u2 = u1[:, : alloc.r1].clone(), u2[:, : alloc.r2].clone()
+    u1, u2, core, mask = prune_refit(balanced, u1, u2, alloc.kept, steps, refits)
     refit_error = tucker_error(balanced, u1, core, u2)
     dense = bool(mask.all())
     factors = TuckerFactors(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -246,16 +247,21 @@ class BlockwiseLinear(nn.Linear):
         return out
 
 
-def materialize(model: nn.Module, module_name: str, weights: WeightSource, device, dtype: torch.dtype) -> None:
+def materialize(model: nn.Module, module_name: str, weights: WeightSource, device, dtype: torch.dtype,
+                include: Callable[[str], bool] | None = None) -> None:
     """Load every parameter of `module_name` from the source onto `device` (floats as `dtype`).
 
     Linear weights stored in a 16-bit dtype narrower than `dtype` stay in it, their modules
     computing block by block through `BlockwiseLinear`: exact conversion, half the memory.
+    `include(name)`, with names relative to `module_name`, limits the load to some parameters (the
+    rest stay where they are): a pipeline can load a layer's MLP only when it needs it.
     """
     module = model.get_submodule(module_name)
     available = set(weights.names())
     embed_name = embedding_weight_name(model)
     for name, param in list(module.named_parameters()):
+        if include is not None and not include(name):
+            continue
         full = f"{module_name}.{name}" if module_name else name
         if full not in available and full == "lm_head.weight":
             full = embed_name

@@ -40,6 +40,26 @@ def test_whitened_error_equals_activation_weighted_error():
     torch.testing.assert_close(white.unapply(white.apply(dw)), dw)
 
 
+@pytest.mark.parametrize("balance", [True, False])
+def test_weighted_error_in_column_steps_is_the_definition(monkeypatch, balance):
+    import ftc.lowrank
+
+    monkeypatch.setattr(ftc.lowrank, "ERROR_COLUMNS", 3)  # 7 columns: steps of 3, 3 and 1
+    x = _activations()
+    gram = x.T @ x / x.shape[0]
+    w, approx = torch.randn(4, 24, 7, dtype=D), torch.randn(4, 24, 7, dtype=D)
+    for metric in (gram, None):
+        c = torch.eye(24, dtype=D) if metric is None else metric
+        energy = torch.einsum("sio,ij,sjo->s", w, c, w)
+        err = torch.einsum("sio,ij,sjo->s", w - approx, c, w - approx)
+        weight = 1 / energy if balance else torch.ones(4, dtype=D)
+        expected = float((weight * err).sum() / (weight * energy).sum())
+        assert weighted_error(w, approx, metric, balance) == pytest.approx(expected, rel=1e-12)
+    assert weighted_error(w[0], approx[0], gram) == pytest.approx(
+        float(torch.trace((w[0] - approx[0]).T @ gram @ (w[0] - approx[0])) / torch.trace(w[0].T @ gram @ w[0])),
+        rel=1e-12)
+
+
 def test_guard_escalates_damping_for_a_singular_gram_and_records_it():
     # an indefinite Gram (rounding can make one) needs eps * mean(diag) > 0.01: eps = 0.1
     gram = torch.diag(torch.tensor([1.0, 1.0, -0.01], dtype=D))

@@ -9,13 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftc.metric import Moments, Whitening
+from ftc.lowrank import weighted_error
+from ftc.metric import Moments, Whitening, damp, damped_factors
 from ftc.tucker import (
+    SliceError,
+    TuckerFactors,
+    allocate,
+    core_capacity,
     hosvd,
+    hosvd_ranks,
     mode1_unfold,
     mode2_unfold,
     polar,
     project_core,
+    reachable_r1,
     refit,
     top_k_mask,
     whiten_and_balance,
@@ -108,6 +115,47 @@ def test_chunked_whitening_equals_the_whole_tensor_form():
     unbalanced, ones = whiten_and_balance(t, white, balance=False)
     torch.testing.assert_close(ones, torch.ones(19, dtype=D))
     torch.testing.assert_close(unbalanced, whole.float())
+
+
+def test_hosvd_up_to_the_reachable_rank_is_the_leading_block_and_allocates_the_same():
+    t = structured_tensor(slices=6, d=40, dh=8)
+    total = float(t.pow(2).sum())
+    u1, _, core = hosvd(t)
+    for budget in (400, 700, 1100):
+        cap = reachable_r1(budget, 40, 8)
+        assert core_capacity(budget, 40, 8, 6, cap + 1, 1) <= 0 < core_capacity(budget, 40, 8, 6, cap, 1)
+        capped_u1, _, capped = hosvd(t, cap)
+        assert capped_u1.shape == (40, cap) and capped.shape == (6, cap, 8)
+        torch.testing.assert_close(capped_u1, u1[:, :cap])
+        torch.testing.assert_close(capped, core[:, :cap])
+        full = allocate(core, total, budget, 40, 8)
+        assert allocate(capped, total, budget, 40, 8, ranks=hosvd_ranks(t)) == pytest.approx(full)
+
+
+@pytest.mark.parametrize("balance", [True, False])
+@pytest.mark.parametrize("metric", [True, False])
+def test_slice_error_equals_the_whole_tensor_weighted_error(balance, metric):
+    g = torch.Generator().manual_seed(6)
+    t = structured_tensor(slices=19).float()  # float32, the storage precision of a compressed layer
+    x = torch.randn(300, 40, dtype=D, generator=g) * torch.linspace(3, 0.1, 40, dtype=D)
+    gram = x.T @ x / 300 if metric else None
+    u1, u2, _ = hosvd(t.double())
+    for r1, r2 in ((6, 3), (12, 5)):
+        core = project_core(t.double(), u1[:, :r1], u2[:, :r2]).float()
+        factors = TuckerFactors(u1[:, :r1], u2[:, :r2].float(), core, None)
+        expected = weighted_error(t, factors.weights(), gram, balance)
+        measure = SliceError(t, gram, balance)
+        assert measure(factors) == pytest.approx(expected, rel=1e-12)
+        assert measure(factors) == pytest.approx(expected, rel=1e-12)  # slice energies reused
+
+
+def test_in_place_damped_factors_equal_the_cholesky_of_the_damped_gram():
+    x = torch.randn(30, 40, dtype=D, generator=torch.Generator().manual_seed(7))
+    gram = x.T @ x / 30  # rank 30 of 40: the least damping already factorises, every level does
+    levels = list(damped_factors(gram, 1e-4, 1e-2))
+    assert [eps for _, eps in levels] == pytest.approx([1e-4, 1e-3, 1e-2])
+    for chol, eps in levels:
+        torch.testing.assert_close(chol, torch.linalg.cholesky(damp(gram, eps)), rtol=0, atol=0)
 
 
 def test_float32_chunk_grams_equal_float64_grams():

@@ -30,6 +30,23 @@ def test_replayed_attention_context_gives_the_full_forward(layout_name):
         torch.testing.assert_close(replayed, forward, rtol=1e-5, atol=1e-6)
 
 
+def test_a_batch_replayed_in_pieces_equals_the_batch_replayed_whole(monkeypatch):
+    import ftc.pipeline
+
+    model = tiny_model("gqa")
+    layout = layout_of(model.config)
+    ids = torch.randint(0, model.config.vocab_size, (5, 24), generator=torch.Generator().manual_seed(0))
+    layer = decoder_layers(model, layout)[0]
+    results = []
+    for tokens in (10_000, 48):  # one piece; then two sequences a piece, the last piece one
+        monkeypatch.setattr(ftc.pipeline, "REPLAY_TOKENS", tokens)
+        stream = layer_inputs(model, layout, ids, 5, torch.device("cpu"))
+        _, contexts = context_stats(layer, layout, stream, None, keep="teacher")
+        propagate(layer, stream, layout, contexts)
+        results.append(stream.hidden[0])
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-6)
+
+
 def test_a_16bit_layer_stays_16bit_and_computes_as_its_float32_copy(tmp_path):
     from ftc.weights import BlockwiseLinear, SafetensorsSource, materialize, skeleton
 
