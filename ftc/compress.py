@@ -26,6 +26,7 @@ from .methods import Method, make_method
 from .models import load_tokenizer, pick_device, resolve_model
 from .options import ALLOCATIONS, DTYPES, METHODS, InputError, parse_ablations, validate_ratio
 from .pipeline import compress_layers, layer_inputs, planned, survey_layers
+from .sensitivity import search_budgets, whole_model
 from .weights import (
     ModuleSource,
     materialize_embedding_rows,
@@ -130,7 +131,8 @@ def compress(
     if loaded is None:
         tokenizer = None  # tens of MB held through every layer otherwise; the artifact reloads it
     if method.plans:
-        method = plan_budgets(method, weights, layout, calib, options, device, progress)
+        method = plan_budgets(method, weights, layout, calib, options, device, progress,
+                              resident=None if loaded is None else loaded[0])
     temporary = work_dir is None
     description = work_description(options, source, weights, calib)
     if method.budgets is not None:  # a changed plan must not resume another plan's layers
@@ -151,11 +153,16 @@ def compress(
 
 
 def plan_budgets(method: Method, weights, layout: AttentionLayout, calib: torch.Tensor,
-                 options: CompressOptions, device: torch.device, progress: bool) -> Method:
-    """The statistics pass of a model-wide budget (§13), one original layer resident at a time.
+                 options: CompressOptions, device: torch.device, progress: bool,
+                 resident: torch.nn.Module | None = None) -> Method:
+    """The statistics pass of a model-wide budget (§13), one original layer resident at a time;
+    ASVD's rank search (§11) needs the whole model instead (`resident`, when it is in memory already).
 
     Deterministic for the same model and calibration, so a resumed run plans the same budgets.
     """
+    if method.whole_model_plan:
+        return search_budgets(method, whole_model(weights, device, resident), layout, calib,
+                              batch_size=options.batch_size, progress=progress)
     model = skeleton(weights.config)
     embed = materialize_embedding_rows(model, weights, calib, device)
     stream = layer_inputs(model, layout, calib, options.batch_size, device)

@@ -34,6 +34,7 @@ from .lowrank import (
 )
 from .metric import DEFAULT_EPS, GUARD_TOLERANCE, MAX_EPS, WORK_DTYPE, Moments, Whitening, guarded_fit
 from .options import METHODS
+from .sensitivity import RATIO_CANDIDATES, SENSITIVITY_SEQUENCES, UNLISTED_RATIO
 from .stored import cp_tensors, lowrank_tensors, tucker_tensors
 from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, SliceError, compress_tensor, head_concat, head_slices
 
@@ -74,6 +75,9 @@ class Method:
     needs_data = True
     needs_student_context = False
     needs_abs_mean = False  # per-channel mean |x| is gathered only for the methods that read it
+    whole_model_plan: ClassVar[bool] = False
+    """Whether the plan measures the whole model's loss (ASVD's rank search, `ftc.sensitivity`)
+    instead of per-layer `survey`s: it then needs every layer resident at once."""
 
     def qkv(self, weights: dict[str, torch.Tensor], x: Moments | None, layout: AttentionLayout):
         raise NotImplementedError
@@ -87,7 +91,8 @@ class Method:
 
     @property
     def plans(self) -> bool:
-        """Whether a statistics pass (`survey`) and a model-wide `plan` come before compression."""
+        """Whether a model-wide plan (`survey` + `plan`, or the search of `whole_model_plan`) comes
+        before compression."""
         return False
 
     def survey(self, weights: dict[str, torch.Tensor], x: Moments, ctx: ContextStats, residual: float,
@@ -180,13 +185,21 @@ class SVD(Method):
 
 @register("asvd")
 class ASVD(Method):
-    """Activation-aware SVD: input channels scaled by `mean|x|^alpha` of the original model (§11)."""
+    """Activation-aware SVD (§11): input channels scaled by `mean|x|^alpha` of the original model,
+    each matrix's rank from ASVD's sensitivity-based search over the whole model (`ftc.sensitivity`)."""
 
     stream = "teacher"
     needs_abs_mean = True
+    whole_model_plan = True
+
+    @property
+    def plans(self) -> bool:
+        return True
 
     def choices(self) -> dict:
-        return {"alpha": ASVD_ALPHA}
+        return {"alpha": ASVD_ALPHA, "rank_search": {
+            "ratio_candidates": list(RATIO_CANDIDATES), "unlisted_ratio": UNLISTED_RATIO,
+            "sensitivity_sequences": SENSITIVITY_SEQUENCES, "sensitivity": "calibration perplexity"}}
 
     def qkv(self, weights, x, layout):
         return self._per_matrix(weights, lambda w, r: scaled_svd(w, x.abs_mean, r))

@@ -19,7 +19,7 @@ class InputError(ValueError):
 METHOD_DESCRIPTIONS: dict[str, str] = {
     "ftc": "FTC: joint head-concat Tucker for Q/K/V, calibrated W_O (ftc-method.md §1-§9)",
     "svd": "plain truncated SVD of each projection (§11)",
-    "asvd": "activation-aware SVD, input channels scaled by mean|x|^0.5 (§11)",
+    "asvd": "ASVD: SVD of input channels scaled by mean|x|^0.5, ranks from a perplexity-sensitivity search (§11)",
     "svd_llm": "SVD-LLM: Cholesky-whitened SVD of each projection (§11)",
     "svd_llm_v2": "SVD-LLM V2: per-matrix ratios from the truncation loss, eigen-whitened SVD (§11)",
     "per_matrix": "FTC's metric and W_O with Q, K and V each compressed alone (control)",

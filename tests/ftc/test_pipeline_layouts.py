@@ -63,12 +63,26 @@ def test_layout_compresses_and_reloads_with_the_same_logits(layout_name, method,
         torch.testing.assert_close(reloaded.get_parameter(name), bias)
 
 
+@pytest.mark.parametrize("layout_name", ["gqa", "phi3"])
+def test_asvd_rank_search_reloads_with_the_in_memory_logits(layout_name, tmp_path, tiny_run):
+    """ASVD plans on the whole model (ftc.sensitivity); one plain and one fused Q/K/V layout."""
+    model, reloaded, manifest, calib = _compress(tiny_run, tmp_path / "a", layout_name, "asvd", 0.4)
+    expected_model = _in_memory(model, "asvd", 0.4, calib)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected, got = expected_model(ids).logits, reloaded(ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-4
+    assert len({str(b) for b in manifest["allocation"]["layer_budgets"]}) > 1
+
+
 @pytest.mark.parametrize("method", ["ftc", "per_matrix", "svd", "asvd", "svd_llm"])
 @pytest.mark.parametrize("ratio", [0.2, 0.6])
 def test_stored_size_is_within_budget_and_equals_the_file(method, ratio, tmp_path, tiny_run):
     model, _, manifest, _ = _compress(tiny_run, tmp_path / "a", "gqa", method, ratio, dtype="float16")
     layout = layout_of(model.config)
     assert len(manifest["layers"]) == model.config.num_hidden_layers
+    model_wide = make_method(method, ratio, torch.float16).plans  # asvd: one budget for the whole model
+    total = 0
     with safe_open(tmp_path / "a" / WEIGHTS, "pt") as f:
         for entry in manifest["layers"]:
             qkv = 0
@@ -82,11 +96,13 @@ def test_stored_size_is_within_budget_and_equals_the_file(method, ratio, tmp_pat
                 assert values == written["values"]
                 # 16-bit values: bytes = 2 * values, up to the mask's final half-filled unit
                 assert 0 <= 2 * values - nbytes <= 1
+                total += values
                 if written["proj"] == ["o"]:
-                    assert values <= ratio * layout.o_params
+                    assert model_wide or values <= ratio * layout.o_params
                 else:
                     qkv += values
-            assert qkv <= ratio * layout.qkv_params
+            assert model_wide or qkv <= ratio * layout.qkv_params
+    assert total <= ratio * len(manifest["layers"]) * (layout.qkv_params + layout.o_params)
 
 
 @pytest.mark.parametrize("ablation", ABLATIONS)

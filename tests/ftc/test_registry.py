@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from ftc import lowrank, metric, tucker
+from ftc import lowrank, metric, sensitivity, tucker
 from ftc.compress import storage_dtype
 from ftc.methods import ANCHOR, METHOD_CLASSES, Method, make_method, register
 from ftc.options import DTYPES, METHOD_DESCRIPTIONS, METHODS, InputError
@@ -58,7 +58,9 @@ def test_choices_are_the_defaults_the_code_runs_with():
     assert ftc["anchor"] == ANCHOR
     assert make_method("svd_llm", 0.5, torch.float16).choices() == {
         k: ftc[k] for k in ("eps", "max_eps", "guard", "guard_tolerance")}
-    assert make_method("asvd", 0.5, torch.float16).choices() == {"alpha": default(lowrank.scaled_svd, "alpha")}
+    asvd = make_method("asvd", 0.5, torch.float16).choices()
+    assert asvd["alpha"] == default(lowrank.scaled_svd, "alpha")
+    assert asvd["rank_search"]["ratio_candidates"] == list(default(sensitivity.sensitivities, "ratios"))
     assert make_method("svd", 0.5, torch.float16).choices() == {}
 
 

@@ -19,6 +19,7 @@ from ftc.compress import CompressOptions, calibration_batch, compress
 from ftc.methods import Method
 from ftc.models import ModelSource
 from ftc.pipeline import PipelineResult, compress_layers, layer_inputs, planned, survey_layers
+from ftc.sensitivity import search_budgets
 
 
 def compress_model(
@@ -34,7 +35,9 @@ def compress_model(
 ) -> PipelineResult:
     """Compress `model` in place with `method`, every layer resident (small models only)."""
     stream = layer_inputs(model, layout, calibration, batch_size, device) if method.needs_data else None
-    if method.plans:  # a model-wide budget: survey first, as compress() does
+    if method.whole_model_plan:  # ASVD's rank search, on the resident model, as compress() does
+        method = search_budgets(method, model, layout, calibration, batch_size=batch_size, progress=progress)
+    elif method.plans:  # a model-wide budget: survey first, as compress() does
         copy = dataclasses.replace(stream, hidden=list(stream.hidden))  # the survey advances its own list
         method = planned(method, survey_layers(model, layout, method, copy, device=device, progress=progress), layout)
     return compress_layers(model, layout, method, stream, device=device, compute_dtype=compute_dtype,

@@ -1,0 +1,287 @@
+"""ASVD's sensitivity-based truncation-rank search (ftc-method.md §11 `asvd`; Yuan et al. 2023, STRS).
+
+For every attention projection and every candidate parameter ratio `p`, the projection alone is
+replaced by its ASVD truncation at rank `floor(p m n / (m + n))` and the model's perplexity on a
+few calibration sequences is measured; a perplexity threshold is then searched so that every
+matrix takes the smallest `p` whose perplexity stays under it, within the model-wide budget.
+
+The loss of the whole model is needed per candidate, so the search holds the whole model in
+memory, as ASVD's does. It is cheap where it can be: each decoder layer's input on the
+sensitivity sequences is computed once, and a candidate in layer `l` runs only layers `l..L-1`,
+the final norm and the head (the model's own forward, with the layers before `l` handing on the
+cached hidden state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from .arch import AttentionLayout, decoder_layers, get_module, projection_weights, set_module
+from .lowrank import scaled_svd
+from .metric import WORK_DTYPE
+from .options import InputError
+from .weights import WeightSource, materialize, skeleton
+
+if TYPE_CHECKING:
+    from .methods import Method
+
+RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+"""Parameter ratios measured per matrix (ASVD's list): the share of the matrix's values its two factors keep."""
+
+UNLISTED_RATIO = 1.0
+"""Ratio of a matrix none of whose candidates is under the threshold (ASVD leaves it dense). The
+artifact stores every projection as two factors, so here it is the rank that fits all `m n` values."""
+
+SENSITIVITY_SEQUENCES = 4
+"""Calibration sequences the perplexity is measured on: the first ones of the calibration batch.
+ASVD measures on 32 sequences of 2048 tokens; 4 keeps the `36 L` partial forwards affordable on a CPU."""
+
+PARTS = ("q", "k", "v", "o")
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """The calibration perplexity of the model with one matrix replaced by its truncation at `ratio`."""
+
+    layer: int
+    proj: str
+    ratio: float
+    perplexity: float
+
+
+def threshold_ratios(entries: list[Sensitivity], sizes: dict[tuple[int, str], int], budget: int,
+                     unlisted: float = UNLISTED_RATIO) -> dict[tuple[int, str], float]:
+    """ASVD's binary search for a perplexity threshold (§11): the ratio of each matrix within `budget`.
+
+    Entries sorted by perplexity, highest first; the threshold at position `k` admits the entries
+    from `k` on, and each matrix takes the smallest ratio it has among them (`unlisted` if none).
+    The lower the threshold (the larger `k`), the larger the ratios: the stored values
+    `sum int(p m n)` grow with `k`, and the largest `k` within `budget` is the lowest threshold
+    that fits. ASVD's own loop ends on the last index it probed, which can overshoot its target by
+    one entry; the largest feasible one never does.
+    """
+    ranked = sorted(entries, key=lambda e: -e.perplexity)  # stable: ties keep the measuring order
+
+    def plan(start: int) -> dict[tuple[int, str], float]:
+        ratios = dict.fromkeys(sizes, unlisted)
+        for e in ranked[start:]:
+            ratios[e.layer, e.proj] = min(ratios[e.layer, e.proj], e.ratio)
+        return ratios
+
+    def cost(ratios: dict[tuple[int, str], float]) -> int:
+        return sum(int(ratios[unit] * size) for unit, size in sizes.items())
+
+    if cost(plan(0)) > budget:
+        raise InputError(f"the budget of {budget} values is below the cheapest candidates "
+                         f"({cost(plan(0))}); raise --ratio to at least {min(e.ratio for e in entries)}")
+    low, high = 0, len(ranked)  # plan(low) fits; find the largest start that does
+    while low < high:
+        mid = (low + high + 1) // 2
+        if cost(plan(mid)) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return plan(low)
+
+
+def whole_model(weights: WeightSource, device: torch.device, resident: nn.Module | None = None) -> nn.Module:
+    """The whole model for the search: `resident` itself when it is the float32 text model the
+    weights come from (never a second copy), else every weight materialised from the source,
+    16-bit Linear weights kept in their dtype (`weights.materialize`)."""
+    float32 = resident is not None and all(p.dtype == torch.float32 for p in resident.parameters()
+                                           if p.is_floating_point())
+    if float32 and weights.text_part_of is None:
+        return resident
+    model = skeleton(weights.config)
+    materialize(model, "", weights, device, torch.float32)  # a tied head is read from the embedding's name
+    return model.to(device)
+
+
+class _Stop(Exception):
+    """Raised once the last decoder layer has run: the statistics passes need no head."""
+
+
+@contextlib.contextmanager
+def _hooks(handles: list) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+@torch.no_grad()
+def _decoder_pass(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, batch_size: int,
+                  device: torch.device, handles: list) -> None:
+    """Run `ids` through the decoder stack batch by batch with `handles`' hooks in place."""
+    last = decoder_layers(model, layout)[-1]
+
+    def stop(_module, _args, _out):
+        raise _Stop
+
+    with _hooks([*handles, last.register_forward_hook(stop)]):
+        for start in range(0, ids.shape[0], batch_size):
+            with contextlib.suppress(_Stop):
+                model(input_ids=ids[start : start + batch_size].to(device), use_cache=False)
+
+
+def activation_scales(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, batch_size: int,
+                      device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Per layer, the mean |x| of the Q/K/V input (`"qkv"`) and of the `W_O` input (`"o"`) on the
+    original model: the statistic `asvd` scales by, on the same calibration batch as its compression."""
+    sums: list[dict[str, list]] = []
+    handles = []
+    for layer in decoder_layers(model, layout):
+        sums.append({})
+        for part, name in (("qkv", layout.q), ("o", layout.o)):
+
+            def hook(_module, args, into=sums[-1], part=part):
+                rows = args[0].reshape(-1, args[0].shape[-1])
+                total, count = into.get(part, (0, 0))
+                into[part] = (total + rows.abs().sum(0, dtype=WORK_DTYPE), count + rows.shape[0])
+
+            handles.append(get_module(layer, name).register_forward_pre_hook(hook))
+    _decoder_pass(model, layout, ids, batch_size, device, handles)
+    return [{part: total / count for part, (total, count) in layer.items()} for layer in sums]
+
+
+def cached_layer_inputs(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, batch_size: int,
+                        device: torch.device) -> list[list[torch.Tensor]]:
+    """Per decoder layer, its input hidden state on `ids` (float32, host), one tensor per batch."""
+    layers = decoder_layers(model, layout)
+    cached: list[list[torch.Tensor]] = [[] for _ in layers]
+    handles = []
+    for index, layer in enumerate(layers):
+
+        def keep(_module, args, kwargs, into=cached[index]):
+            into.append(_hidden(args, kwargs).detach().to("cpu", torch.float32))
+
+        handles.append(layer.register_forward_pre_hook(keep, with_kwargs=True))
+    _decoder_pass(model, layout, ids, batch_size, device, handles)
+    return cached
+
+
+@torch.no_grad()
+def loss_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: torch.Tensor, batch_size: int,
+                    inputs: list[torch.Tensor], device: torch.device) -> float:
+    """Mean next-token cross-entropy of the model on `ids`, with layers `0..start-1` replaced by the
+    cached input of layer `start` (`inputs`, one per batch): only the rest of the model runs."""
+    layers = decoder_layers(model, layout)
+    total, count = 0.0, 0
+    for batch, hidden in zip(range(0, ids.shape[0], batch_size), inputs, strict=True):
+        chunk = ids[batch : batch + batch_size].to(device)
+        h = hidden.to(device)
+        for layer in layers[:start]:
+            layer.forward = lambda *args, h=h, **kwargs: h
+        try:
+            logits = model(input_ids=chunk, use_cache=False).logits
+        finally:
+            for layer in layers[:start]:
+                del layer.forward
+        total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="sum"))
+        count += chunk[:, 1:].numel()
+        del logits
+    return total / count
+
+
+class _Candidate(nn.Module):
+    """A projection's dense weight during one measurement; the original module is put back after."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+@contextlib.contextmanager
+def replaced(layer: nn.Module, layout: AttentionLayout, proj: str, weight: torch.Tensor) -> Iterator[None]:
+    """`layer` with projection `proj` computing `x @ weight` (`(in, out)` layout) instead; the rows
+    of a fused Q/K/V module outside `proj` stay the original ones."""
+    name = layout.projections[proj]
+    module = get_module(layer, name)
+    dense = weight.T.to(module.weight.device, torch.float32)
+    if proj != "o" and name == layout.fused_qkv:
+        start, stop = layout.qkv_rows[proj]
+        dense = torch.cat([module.weight[:start].float(), dense, module.weight[stop:].float()])
+    set_module(layer, name, _Candidate(dense, module.bias))
+    try:
+        yield
+    finally:
+        set_module(layer, name, module)
+
+
+def truncations(method: Method, proj: str, w: torch.Tensor, scale: torch.Tensor, ratios: tuple[float, ...]
+                ) -> Iterator[tuple[float, torch.Tensor]]:
+    """`(ratio, A B)` for each ratio: `proj`'s ASVD factors at the rank the method gives a budget of
+    `int(ratio m n)` values, as stored (`method.storage_dtype`). One SVD serves every rank:
+    `scaled_svd` at rank `r` is the first `r` columns of its full-rank result."""
+    rows, cols = w.shape
+    a, b = scaled_svd(w, scale, min(rows, cols))
+    for ratio in ratios:
+        rank = dataclasses.replace(method, layer_budget={proj: int(ratio * rows * cols)}).rank(proj, rows, cols)
+        stored_a, stored_b = a[:, :rank].to(method.storage_dtype), b[:rank].to(method.storage_dtype)
+        yield ratio, stored_a.to(WORK_DTYPE) @ stored_b.to(WORK_DTYPE)
+
+
+def sensitivities(method: Method, model: nn.Module, layout: AttentionLayout, calib: torch.Tensor, *,
+                  batch_size: int, progress: bool = True, ratios: tuple[float, ...] = RATIO_CANDIDATES
+                  ) -> list[Sensitivity]:
+    """ASVD's sensitivity list (§11): the calibration perplexity with each projection alone truncated
+    at each ratio, measured on the first `SENSITIVITY_SEQUENCES` calibration sequences, on the
+    device the model sits on."""
+    device = model.get_input_embeddings().weight.device
+    scales = activation_scales(model, layout, calib, batch_size, device)
+    ids = calib[:SENSITIVITY_SEQUENCES]
+    inputs = cached_layer_inputs(model, layout, ids, batch_size, device)
+    layers = decoder_layers(model, layout)
+    entries = []
+    with tqdm(total=len(layers) * len(PARTS) * len(ratios), desc="asvd sensitivity", unit="candidate",
+              disable=not progress) as bar:
+        for index, layer in enumerate(layers):
+            weights, _ = projection_weights(layer, layout)
+            for proj in PARTS:
+                scale = scales[index]["o" if proj == "o" else "qkv"]
+                for ratio, truncated in truncations(method, proj, weights[proj].detach().T, scale, ratios):
+                    with replaced(layer, layout, proj, truncated):
+                        loss = loss_from_layer(model, layout, index, ids, batch_size, inputs[index], device)
+                    entries.append(Sensitivity(index, proj, ratio, math.exp(loss)))
+                    bar.update()
+    return entries
+
+
+def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, calib: torch.Tensor, *,
+                   batch_size: int, progress: bool = True) -> Method:
+    """`method` with per-layer budgets (stored values by projection) from ASVD's rank search (§11).
+
+    The budget is `rho` times the attention parameters of the whole model, the accounting of
+    every model-wide plan (§13); matrix `p` of layer `l` gets `int(ratio * m n)` values.
+    Deterministic for the same model and calibration, so a resumed run plans the same budgets.
+    """
+    smallest = min(RATIO_CANDIDATES)
+    if method.keep_ratio < smallest:
+        raise InputError(f"--ratio {method.keep_ratio} is below the smallest ratio asvd's rank search "
+                         f"measures ({smallest}); use --ratio >= {smallest}")
+    layers = len(decoder_layers(model, layout))
+    heads = {"q": layout.heads, "k": layout.kv_heads, "v": layout.kv_heads, "o": layout.heads}
+    sizes = {(i, p): layout.hidden * layout.head_dim * heads[p] for i in range(layers) for p in PARTS}
+    entries = sensitivities(method, model, layout, calib, batch_size=batch_size, progress=progress)
+    total = int(method.keep_ratio * layers * (layout.qkv_params + layout.o_params))
+    ratios = threshold_ratios(entries, sizes, total)
+    return dataclasses.replace(method, budgets=tuple({p: int(ratios[i, p] * sizes[i, p]) for p in PARTS}
+                                                     for i in range(layers)))
