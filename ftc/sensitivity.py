@@ -143,7 +143,7 @@ def activation_scales(model: nn.Module, layout: AttentionLayout, ids: torch.Tens
                       device: torch.device) -> list[dict[str, torch.Tensor]]:
     """Per layer, the mean |x| of the Q/K/V input (`"qkv"`) and of the `W_O` input (`"o"`) on the
     original model: the statistic `asvd` scales by, on the same calibration batch as its compression."""
-    sums: list[dict[str, list]] = []
+    sums: list[dict[str, tuple]] = []
     handles = []
     for layer in decoder_layers(model, layout):
         sums.append({})
@@ -168,7 +168,7 @@ def cached_layer_inputs(model: nn.Module, layout: AttentionLayout, ids: torch.Te
     for index, layer in enumerate(layers):
 
         def keep(_module, args, kwargs, into=cached[index]):
-            into.append(_hidden(args, kwargs).detach().to("cpu", torch.float32))
+            into.append(_hidden(args, kwargs).detach().to("cpu", torch.float32, copy=True))  # never a view
 
         handles.append(layer.register_forward_pre_hook(keep, with_kwargs=True))
     _decoder_pass(model, layout, ids, batch_size, device, handles)
