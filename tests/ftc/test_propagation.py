@@ -65,3 +65,36 @@ def test_a_16bit_layer_stays_16bit_and_computes_as_its_float32_copy(tmp_path):
     (h,), (kw,) = (s := layer_inputs(reference, layout, ids, 2, torch.device("cpu"))).hidden, s.kwargs
     expected = decoder_layers(reference, layout)[0](h, **kw)
     torch.testing.assert_close(layer(h, **kw), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_streamed_layer_loads_its_mlp_only_after_the_attention_math(tmp_path):
+    from ftc.methods import make_method
+    from ftc.pipeline import after_attention, compress_layers
+    from ftc.weights import SafetensorsSource, skeleton
+
+    model = tiny_model("gqa", layers=2)
+    model.save_pretrained(tmp_path)
+    layout = layout_of(model.config)
+    streamed = skeleton(model.config)
+    later = after_attention(decoder_layers(streamed, layout)[0], layout)
+    names = [n for n, _ in decoder_layers(streamed, layout)[0].named_parameters()]
+    assert sorted(n for n in names if later(n)) == [f"mlp.{p}_proj.weight" for p in ("down", "gate", "up")]
+
+    method = make_method("svd", 0.5, torch.float32)
+    seen: list[tuple[str, bool]] = []
+    qkv = method.qkv
+
+    def record(weights, x, lay):
+        mlp = decoder_layers(streamed, layout)[len(seen)].mlp
+        seen.append(("qkv", all(p.is_meta for p in mlp.parameters())))
+        return qkv(weights, x, lay)
+
+    object.__setattr__(method, "qkv", record)
+    layers_seen = []
+    compress_layers(streamed, layout, method, None, device=torch.device("cpu"),
+                    weights=SafetensorsSource(tmp_path, model.config), progress=False,
+                    on_layer=lambda result, layer: layers_seen.append(
+                        torch.equal(layer.mlp.up_proj.weight, model.get_submodule(
+                            f"model.layers.{result.index}.mlp.up_proj").weight)))
+    assert seen == [("qkv", True), ("qkv", True)]  # no MLP weight resident during the Q/K/V math
+    assert layers_seen == [True, True]  # and every one of them loaded before the layer is written
