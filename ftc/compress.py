@@ -24,7 +24,15 @@ from .artifact import LayerStore, assemble, extra_names, layer_entry, layer_tens
 from .data import calibration_ids, ids_sha256, load_text, tokenize
 from .methods import Method, make_method
 from .models import load_tokenizer, pick_device, resolve_model
-from .options import ALLOCATIONS, DTYPES, METHODS, InputError, parse_ablations, validate_ratio
+from .options import (
+    ALLOCATIONS,
+    DTYPES,
+    METHODS,
+    InputError,
+    method_ratio_problem,
+    parse_ablations,
+    validate_ratio,
+)
 from .pipeline import compress_layers, layer_inputs, planned, survey_layers
 from .sensitivity import search_budgets, whole_model
 from .weights import (
@@ -57,6 +65,8 @@ class CompressOptions:
         validate_ratio(self.ratio)
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if problem := method_ratio_problem(self.method, self.ratio):
+            raise InputError(problem.replace("ratio", "--ratio", 1))
         self.ablate = parse_ablations(list(self.ablate))
         if self.ablate and self.method != "ftc":
             raise InputError("--ablate applies to --method ftc only")

@@ -54,6 +54,24 @@ DATASETS: tuple[str, ...] = ("wikitext2", "ptb")
 """Built-in dataset names; a path to a .txt or .jsonl file is accepted too."""
 
 
+ASVD_RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+"""Parameter ratios ASVD's rank search measures per matrix (ASVD's list; ftc-method.md §11): the
+share of the matrix's values its two factors keep. The smallest is a floor for `asvd`'s `rho`."""
+
+
+def method_ratio_problem(method: str, ratio: float) -> str | None:
+    """Why `method` cannot meet keep ratio `ratio`, else None (asvd: below its smallest candidate).
+
+    Checked where requests enter (CLI options, job and sweep schemas), so such a job is refused
+    before it is queued instead of failing after its statistics pass.
+    """
+    smallest = min(ASVD_RATIO_CANDIDATES)
+    if method == "asvd" and ratio < smallest:
+        return (f"ratio {ratio:g} is below the smallest ratio asvd's rank search measures ({smallest}); "
+                f"use a ratio of at least {smallest} with asvd")
+    return None
+
+
 def validate_ratio(ratio: float) -> float:
     """Keep ratio rho must lie in (0, 1] (ftc-method.md §1)."""
     if not (0.0 < ratio <= 1.0):

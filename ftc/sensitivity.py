@@ -29,14 +29,14 @@ from tqdm.auto import tqdm
 from .arch import AttentionLayout, decoder_layers, get_module, projection_weights, set_module
 from .lowrank import scaled_svd
 from .metric import WORK_DTYPE
-from .options import InputError
+from .options import ASVD_RATIO_CANDIDATES, InputError, method_ratio_problem
 from .weights import WeightSource, materialize, skeleton
 
 if TYPE_CHECKING:
     from .methods import Method
 
-RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-"""Parameter ratios measured per matrix (ASVD's list): the share of the matrix's values its two factors keep."""
+RATIO_CANDIDATES = ASVD_RATIO_CANDIDATES
+"""Parameter ratios measured per matrix (`ftc.options.ASVD_RATIO_CANDIDATES`, ASVD's list)."""
 
 UNLISTED_RATIO = 1.0
 """Ratio of a matrix none of whose candidates is under the threshold (ASVD leaves it dense). The
@@ -273,10 +273,8 @@ def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, ca
     every model-wide plan (§13); matrix `p` of layer `l` gets `int(ratio * m n)` values.
     Deterministic for the same model and calibration, so a resumed run plans the same budgets.
     """
-    smallest = min(RATIO_CANDIDATES)
-    if method.keep_ratio < smallest:
-        raise InputError(f"--ratio {method.keep_ratio} is below the smallest ratio asvd's rank search "
-                         f"measures ({smallest}); use --ratio >= {smallest}")
+    if problem := method_ratio_problem("asvd", method.keep_ratio):
+        raise InputError(problem)
     layers = len(decoder_layers(model, layout))
     heads = {"q": layout.heads, "k": layout.kv_heads, "v": layout.kv_heads, "o": layout.heads}
     sizes = {(i, p): layout.hidden * layout.head_dim * heads[p] for i in range(layers) for p in PARTS}

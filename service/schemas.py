@@ -22,7 +22,15 @@ from pydantic import (
 )
 
 from ftc.hub import parse_hub_id
-from ftc.options import ALLOCATIONS, DATASETS, METHODS, MODEL_ALIASES, parse_ablations, validate_ratio
+from ftc.options import (
+    ALLOCATIONS,
+    DATASETS,
+    METHODS,
+    MODEL_ALIASES,
+    method_ratio_problem,
+    parse_ablations,
+    validate_ratio,
+)
 from ftc.tasks import TASKS, parse_tasks
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -285,6 +293,9 @@ class JobRequest(_Strict):
             raise ValueError("give exactly one of ratio (a number) or ratios (a list)")
         if self.ablate and self.method != "ftc":
             raise ValueError(f"ablate removes FTC components; it needs method 'ftc', not {self.method!r}")
+        for ratio in self.keep_ratios():
+            if problem := method_ratio_problem(self.method, ratio):
+                raise ValueError(problem)
         if self.allocation != "uniform" and self.method != "ftc":
             raise ValueError(f"allocation {self.allocation!r} applies to method 'ftc' only, not {self.method!r}; "
                              "leave allocation out or set it to 'uniform'")

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from ftc.options import METHODS, parse_ablations
+from ftc.options import METHODS, method_ratio_problem, parse_ablations
 from service.schemas import (
     Calibration,
     Evaluation,
@@ -113,6 +113,15 @@ class SweepRequest(BaseModel):
                 if problem := budget_problem(model, ratio):
                     raise ValueError(problem)
         return ratios
+
+    @field_validator("methods")
+    @classmethod
+    def _every_ratio_within_reach_of_every_method(cls, methods: list[str], info: ValidationInfo) -> list[str]:
+        for method in methods:
+            for ratio in info.data.get("ratios") or []:
+                if problem := method_ratio_problem(method, ratio):
+                    raise ValueError(problem)
+        return methods
 
     @field_validator("calibration")
     @classmethod

@@ -192,9 +192,11 @@ def test_a_ratio_below_the_smallest_candidate_is_refused_before_any_work(monkeyp
         raise AssertionError("the sensitivity pass ran")
 
     monkeypatch.setattr(sensitivity, "sensitivities", measure)
-    with pytest.raises(InputError, match=r"--ratio 0\.05 .* use --ratio >= 0\.1"):
+    with pytest.raises(InputError, match=r"ratio 0\.05 is below .* at least 0\.1 with asvd"):
         search_budgets(make_method("asvd", 0.05, torch.float16), model, layout_of(model.config),
                        torch.zeros(2, 8, dtype=torch.long), batch_size=BATCH, progress=False)
+    with pytest.raises(InputError, match=r"^--ratio 0\.05 is below"):  # the CLI's options, before loading
+        CompressOptions(model="smollm2-135m", method="asvd", ratio=0.05).validate()
 
 
 def test_the_search_uses_a_resident_float32_model_itself():

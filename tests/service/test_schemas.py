@@ -96,3 +96,13 @@ def test_ids_sort_by_creation_time() -> None:
     earlier, later = new_id("job", now=1_700_000_000.0), new_id("job", now=1_700_000_000.002)
     assert earlier < later
     assert is_id(earlier) and not is_id("job_../../x")
+
+
+def test_asvd_below_its_smallest_measured_ratio_is_refused_before_it_is_queued() -> None:
+    from service.sweeps.schemas import SweepRequest
+
+    assert any(loc == () and "at least 0.1 with asvd" in msg
+               for loc, msg in errors_of({**JOB_REQUEST, "method": "asvd", "ratio": 0.05}))
+    assert JobRequest.model_validate({**JOB_REQUEST, "method": "asvd", "ratio": 0.1}).ratio == 0.1
+    with pytest.raises(ValidationError, match=r"at least 0\.1 with asvd"):
+        SweepRequest.model_validate({"models": ["smollm2-135m"], "methods": ["ftc", "asvd"], "ratios": [0.4, 0.05]})
