@@ -145,11 +145,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--workdir", type=Path, default=None, help="where checkpoints are built (default: /tmp)")
     parser.add_argument("--out", type=Path, default=RESULTS / "memory.json")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows of --out for other (shape, layers) cases: shapes run one at a time")
     args = parser.parse_args()
     settings = {"method": args.method, "ratio": 0.4, "calibration": f"{args.calib_samples} x {args.seq_len}",
                 "shapes": {name: {k: v for k, v in shape.items() if k != "target_bytes"}
                            for name, shape in SHAPES.items()}}
     rows = []
+    if args.append and args.out.is_file():
+        cases = {(name, d) for name, depths in args.cases for d in depths}
+        rows = [r for r in json.loads(args.out.read_text())["rows"] if (r["shape"], r["layers"]) not in cases]
     root = Path(tempfile.mkdtemp(dir=args.workdir))
     try:
         for name, layers in ((name, d) for name, depths in args.cases for d in depths):
