@@ -27,8 +27,11 @@ def _logits(model) -> torch.Tensor:
         return model(IDS).logits
 
 
-def test_streamed_sharded_run_equals_the_in_memory_run(tiny_folder, smollm2_tokenizer, tmp_path):
-    folder = tiny_folder("gqa", layers=3, shard_bytes=200_000)
+@pytest.mark.parametrize("layout_name", ["gqa", "phi3", "gemma3", "olmo2"])
+def test_streamed_sharded_run_equals_the_in_memory_run(layout_name, tiny_folder, smollm2_tokenizer, tmp_path):
+    """Streamed from disk, one layer resident, equals the model held in memory: for the plain layout,
+    a fused Q/K/V projection (Phi-3), per-layer-type kwargs (Gemma 3) and post-norms (OLMo 2)."""
+    folder = tiny_folder(layout_name, layers=3, shard_bytes=200_000)
     assert (folder / "model.safetensors.index.json").is_file()
     options = CompressOptions(model=str(folder), ratio=0.4, calib_samples=4, seq_len=64, dtype="float32",
                               device="cpu", batch_size=2)
@@ -36,7 +39,7 @@ def test_streamed_sharded_run_equals_the_in_memory_run(tiny_folder, smollm2_toke
     streamed, _, _ = load_artifact(tmp_path / "streamed")
 
     # the same model held in memory (as the benchmarks pass it), through the same compress()
-    model = tiny_model("gqa", vocab_size=len(smollm2_tokenizer), layers=3)
+    model = tiny_model(layout_name, vocab_size=len(smollm2_tokenizer), layers=3)
     in_memory, _, _ = compress_loaded(model, smollm2_tokenizer, tmp_path / "in-memory", ratio=0.4, calib_samples=4,
                                       seq_len=64, dtype="float32", batch_size=2)
     torch.testing.assert_close(_logits(streamed), _logits(in_memory), rtol=1e-5, atol=1e-5)
