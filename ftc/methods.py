@@ -361,7 +361,7 @@ class FTC(Method):
         """
         if "wo_student_metric" in self.ablations or "no_wo_target" in self.ablations:
             return ctx.student.gram
-        return ctx.student.gram + anchor * ctx.teacher.gram
+        return torch.add(ctx.student.gram, ctx.teacher.gram, alpha=anchor)  # one d x d, no scaled copy
 
     @property
     def plans(self) -> bool:
