@@ -183,6 +183,7 @@ def smollm2_variants(artifacts: Path, device: torch.device) -> tuple[dict, int, 
 def tinyllama_variants(artifacts: Path, device: torch.device, layers: int) -> tuple[dict, int, str]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from ftc.hf.modeling_ftc import place
     from ftc.models import load_tokenizer
     from ftc.stored import build_modules
 
@@ -210,14 +211,16 @@ def tinyllama_variants(artifacts: Path, device: torch.device, layers: int) -> tu
         tensors = load_file(str(folder / WEIGHTS))
         entry = read_manifest(folder)["layers"][0]
         for layer in decoder_layers(model, layout):
-            modules = {}
+            modules, groups = {}, nn.ModuleDict()
             for spec in entry["groups"]:
-                prefix = f"model.layers.0.ftc.{''.join(spec['proj'])}."
+                name = "".join(spec["proj"])
+                prefix = f"model.layers.0.ftc.{name}."
                 group = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-                modules.update(build_modules(spec, group, {}, layout.head_dim, torch.float32))
-            for proj, module in modules.items():
-                parent, _, leaf = layout.projections[proj].rpartition(".")
-                setattr(layer.get_submodule(parent), leaf, module)
+                built = build_modules(spec, group, {}, layout.head_dim, torch.float32)
+                groups[name] = next(iter(built.values())).group  # registered as load_artifact does
+                modules.update(built)
+            place(layer, layout.projections, modules)
+            layer.ftc = groups
         return model
 
     variants: dict[str, Callable[[], nn.Module]] = {"dense": dense}
