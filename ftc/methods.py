@@ -33,8 +33,7 @@ from .lowrank import (
     truncated_svd,
 )
 from .metric import DEFAULT_EPS, GUARD_TOLERANCE, MAX_EPS, WORK_DTYPE, Moments, Whitening, guarded_fit
-from .options import METHODS
-from .sensitivity import RATIO_CANDIDATES, SENSITIVITY_SEQUENCES, UNLISTED_RATIO
+from .options import ASVD_RATIO_CANDIDATES, ASVD_SENSITIVITY_SEQUENCES, ASVD_UNLISTED_RATIO, METHODS
 from .stored import cp_tensors, lowrank_tensors, tucker_tensors
 from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, SliceError, compress_tensor, head_concat, head_slices
 
@@ -198,8 +197,8 @@ class ASVD(Method):
 
     def choices(self) -> dict:
         return {"alpha": ASVD_ALPHA, "rank_search": {
-            "ratio_candidates": list(RATIO_CANDIDATES), "unlisted_ratio": UNLISTED_RATIO,
-            "sensitivity_sequences": SENSITIVITY_SEQUENCES, "sensitivity": "calibration perplexity"}}
+            "ratio_candidates": list(ASVD_RATIO_CANDIDATES), "unlisted_ratio": ASVD_UNLISTED_RATIO,
+            "sensitivity_sequences": ASVD_SENSITIVITY_SEQUENCES, "sensitivity": "calibration perplexity"}}
 
     def qkv(self, weights, x, layout):
         return self._per_matrix(weights, lambda w, r: scaled_svd(w, x.abs_mean, r))

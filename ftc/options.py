@@ -58,6 +58,14 @@ ASVD_RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0
 """Parameter ratios ASVD's rank search measures per matrix (ASVD's list; ftc-method.md §11): the
 share of the matrix's values its two factors keep. The smallest is a floor for `asvd`'s `rho`."""
 
+ASVD_UNLISTED_RATIO = 1.0
+"""Ratio of a matrix none of whose candidates is under the threshold (ASVD leaves it dense). The
+artifact stores every projection as two factors, so here it is the rank that fits all `m n` values."""
+
+ASVD_SENSITIVITY_SEQUENCES = 4
+"""Calibration sequences the perplexity is measured on: the first ones of the calibration batch.
+ASVD measures on 32 sequences of 2048 tokens; 4 keeps the `36 L` partial forwards affordable on a CPU."""
+
 
 def method_ratio_problem(method: str, ratio: float) -> str | None:
     """Why `method` cannot meet keep ratio `ratio`, else None (asvd: below its smallest candidate).

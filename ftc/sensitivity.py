@@ -29,22 +29,21 @@ from tqdm.auto import tqdm
 from .arch import AttentionLayout, decoder_layers, get_module, projection_weights, set_module
 from .lowrank import scaled_svd
 from .metric import WORK_DTYPE
-from .options import ASVD_RATIO_CANDIDATES, InputError, method_ratio_problem
+from .options import (
+    ASVD_RATIO_CANDIDATES,
+    ASVD_SENSITIVITY_SEQUENCES,
+    ASVD_UNLISTED_RATIO,
+    InputError,
+    method_ratio_problem,
+)
 from .weights import WeightSource, materialize, skeleton
 
 if TYPE_CHECKING:
     from .methods import Method
 
 RATIO_CANDIDATES = ASVD_RATIO_CANDIDATES
-"""Parameter ratios measured per matrix (`ftc.options.ASVD_RATIO_CANDIDATES`, ASVD's list)."""
-
-UNLISTED_RATIO = 1.0
-"""Ratio of a matrix none of whose candidates is under the threshold (ASVD leaves it dense). The
-artifact stores every projection as two factors, so here it is the rank that fits all `m n` values."""
-
-SENSITIVITY_SEQUENCES = 4
-"""Calibration sequences the perplexity is measured on: the first ones of the calibration batch.
-ASVD measures on 32 sequences of 2048 tokens; 4 keeps the `36 L` partial forwards affordable on a CPU."""
+UNLISTED_RATIO = ASVD_UNLISTED_RATIO
+SENSITIVITY_SEQUENCES = ASVD_SENSITIVITY_SEQUENCES
 
 PARTS = ("q", "k", "v", "o")
 
