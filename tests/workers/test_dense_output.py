@@ -10,10 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from ftc.artifact import load_artifact
 from service.artifacts import list_artifacts
-from service.runtime import Services
 from service.store import LocalStore
 from tests.support.workers import worker_job_request
-from tests.workers.test_job import TEAM, Worker, ended, job_folder, run, store_names, submit, wait_for
+from tests.workers.test_job import TEAM, job_folder, run_job, store_names
 from workers.publish import upload_outputs
 
 pytestmark = pytest.mark.timeout(600)
@@ -24,12 +23,7 @@ def test_a_job_asking_for_dense_publishes_it_beside_the_artifact(worker_settings
     _root, model = models_dir(layers=2)
     request = worker_job_request(model, eval={"datasets": []}, outputs=["compressed", "dense"])
 
-    async def scenario(services: Services):
-        job_id = await submit(services, request)
-        async with Worker(settings):
-            return await wait_for(services, job_id, ended, timeout=480)
-
-    record = run(settings, scenario)
+    record = run_job(settings, request, timeout=480)
     assert record.status == "succeeded", record.error
     names = store_names(settings, record.id)
     assert {"config.json", "model.safetensors", "modeling_ftc.py", "dense/config.json",

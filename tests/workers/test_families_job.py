@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ftc.artifact import load_artifact
-from service.runtime import Services
 from tests.support.workers import worker_job_request
-from tests.workers.test_job import Worker, ended, job_folder, run, submit, wait_for
+from tests.workers.test_job import job_folder, run_job
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -23,12 +22,7 @@ def test_a_gemma3_job_succeeds_and_publishes_a_reloadable_artifact(worker_settin
     settings = worker_settings()
     request = worker_job_request(name, eval={"datasets": ["wikitext2"], "seq_len": 64, "max_windows": 1})
 
-    async def scenario(services: Services):
-        job_id = await submit(services, request)
-        async with Worker(settings):
-            return await wait_for(services, job_id, ended, timeout=480)
-
-    record = run(settings, scenario)
+    record = run_job(settings, request, timeout=480)
     assert record.status == "succeeded", record.error
     model, _, manifest = load_artifact(job_folder(settings, record.id))
     assert model.config.model_type == "ftc_gemma3_text"

@@ -86,6 +86,17 @@ def run(settings: WorkerSettings, work: Callable[[Services], Awaitable]):
     return run_async(settings, work)
 
 
+def run_job(settings: WorkerSettings, request: dict, timeout: float = 120.0) -> JobRecord:
+    """Submit `request`, run one in-process worker until the job ends, and return its last record."""
+
+    async def scenario(services: Services) -> JobRecord:
+        job_id = await submit(services, request)
+        async with Worker(settings):
+            return await wait_for(services, job_id, ended, timeout)
+
+    return run(settings, scenario)
+
+
 async def events_of(services: Services, job_id: str) -> list:
     return await services.jobs.events(job_id)
 
@@ -213,12 +224,7 @@ def test_a_job_that_cannot_run_fails_with_a_readable_reason_and_keeps_its_log(
     settings = worker_settings()
     _root, model = models_dir(layers=4)
 
-    async def scenario(services: Services):
-        job_id = await submit(services, worker_job_request(model) | change)
-        async with Worker(settings):
-            return await wait_for(services, job_id, ended)
-
-    record = run(settings, scenario)
+    record = run_job(settings, worker_job_request(model) | change)
     assert record.status == "failed"
     assert reason in record.error and "Traceback" not in record.error
     log = (job_folder(settings, record.id) / "log.txt").read_text()

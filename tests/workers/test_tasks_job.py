@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from service.runtime import Services
 from tests.support.workers import worker_job_request
-from tests.workers.test_job import Worker, _keep_torch_threads, ended, job_folder, run, submit, wait_for
+from tests.workers.test_job import _keep_torch_threads, job_folder, run_job
 
 pytestmark = pytest.mark.timeout(600)
 __all__ = ["_keep_torch_threads"]  # the autouse fixture applies here too
@@ -22,12 +21,7 @@ def test_a_job_with_tasks_writes_per_task_accuracy_and_the_average(worker_settin
         model, eval={"datasets": [], "tasks": ["arc_easy", "boolq"], "limit": 3, "dense_reference": True}
     )
 
-    async def scenario(services: Services):
-        job_id = await submit(services, request)
-        async with Worker(settings):
-            return await wait_for(services, job_id, ended, timeout=540)
-
-    record = run(settings, scenario)
+    record = run_job(settings, request, timeout=540)
     assert record.status == "succeeded", record.error
     metrics = json.loads((job_folder(settings, record.id) / "metrics.json").read_text())
     assert metrics["eval"]["tasks"] == ["arc_easy", "boolq"] and metrics["eval"]["limit"] == 3

@@ -20,9 +20,8 @@ import torch
 from prometheus_client import REGISTRY
 
 from service.logs import ContextFilter, JsonFormatter
-from service.runtime import Services
 from tests.support.workers import REPO, worker_job_request
-from tests.workers.test_job import TEAM, Worker, ended, run, submit, wait_for
+from tests.workers.test_job import TEAM, run_job
 from workers.metrics import NodeEndpoint, failure_reason
 
 pytestmark = pytest.mark.timeout(240)
@@ -71,12 +70,7 @@ def test_a_job_is_counted_timed_per_layer_and_logged_with_its_context(worker_set
         "first": sample("ftc_worker_job_attempt_bucket", le="1.0"),
     }
 
-    async def scenario(services: Services):
-        job_id = await submit(services, worker_job_request(model, eval={"datasets": []}))
-        async with Worker(settings):
-            return await wait_for(services, job_id, ended)
-
-    record = run(settings, scenario)
+    record = run_job(settings, worker_job_request(model, eval={"datasets": []}))
     assert record.status == "succeeded", record.error
     assert sample("ftc_worker_jobs_started_total") - before["started"] == 1
     assert sample("ftc_worker_jobs_succeeded_total") - before["succeeded"] == 1
@@ -103,12 +97,7 @@ def test_a_model_the_worker_cannot_open_fails_as_invalid_input(worker_settings, 
     settings = worker_settings()
     before = sample("ftc_worker_jobs_failed_total", reason="invalid_input")
 
-    async def scenario(services: Services):
-        job_id = await submit(services, worker_job_request("tiny/pickles"))
-        async with Worker(settings):
-            return await wait_for(services, job_id, ended)
-
-    record = run(settings, scenario)
+    record = run_job(settings, worker_job_request("tiny/pickles"))
     assert record.status == "failed" and "only PyTorch .bin weights" in (record.error or "")
     assert sample("ftc_worker_jobs_failed_total", reason="invalid_input") - before == 1
 
