@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/memory.py                                  # the default cases below
     .venv/bin/python benchmarks/memory.py --cases tinyllama-1.1b:2,4      # a quick look
+    .venv/bin/python benchmarks/memory.py --steps llama-7b                 # where the peak is
 
 Builds synthetic Llama checkpoints (float16, random weights, several safetensors shards,
 SmolLM2's tokenizer) with the layer shape of TinyLlama-1.1B (hidden 2048, MLP 5632, 32 query
@@ -12,7 +13,9 @@ is ever resident, so the peak is one layer's work plus a fixed runtime and must 
 depth: each shape runs at two depths to show that. Calibration is one default batch (8 x 512
 tokens): the activation transients are those of a full run; only the stream itself (tokens x
 hidden x 4 bytes) grows with more samples.
-Writes benchmarks/results/memory.{json,md}. Targets: peak RSS per shape in `SHAPES`, flat in depth.
+`--steps` samples one layer's compression in process and charges each sample to the step then
+running (memory_steps.json). Writes benchmarks/results/memory.{json,md}.
+Targets: peak RSS per shape in `SHAPES`, flat in depth.
 """
 
 from __future__ import annotations
@@ -125,6 +128,63 @@ def render(rows: list[dict], settings: dict) -> str:
     return "\n".join(lines)
 
 
+STEPS = (("ftc.methods", "FTC.qkv", "Q/K/V"), ("ftc.pipeline", "context_stats", "context statistics"),
+         ("ftc.methods", "calibrated_wo", "W_O solve"), ("ftc.methods", "guarded_whitened_svd", "W_O truncation"),
+         ("ftc.pipeline", "propagate", "propagation"))
+"""(module, attribute, label) of the steps whose peak `--steps` reports; everything else is "other"."""
+
+
+def step_peaks(shape: str, workdir: Path | None) -> dict:
+    """Peak RSS (anonymous and file-backed) per step of one streamed FTC compression, in process.
+
+    A thread samples /proc/self/status every 2 ms and charges each sample to the step running at
+    the time (the functions of `STEPS`, wrapped for the run). One layer: every layer does the same
+    work. The checkpoint is built in a child process, so its buffers are not in this one's heap.
+    """
+    import importlib
+    import threading
+
+    from ftc.compress import CompressOptions, compress
+
+    root = Path(tempfile.mkdtemp(dir=workdir))
+    try:
+        spec = SHAPES[shape]
+        subprocess.run([sys.executable, __file__, "--build", str(root / "model"), shape], check=True)
+        current, peaks = ["other"], {}
+
+        def sample() -> None:
+            while True:
+                status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+                rss = [int(status[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile")]
+                if rss[0] > peaks.get(current[0], (0,))[0]:
+                    peaks[current[0]] = tuple(rss)
+                time.sleep(0.002)
+
+        def wrapped(function, label):
+            def run(*args, **kwargs):
+                before, current[0] = current[0], label
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    current[0] = before
+            return run
+
+        for module, attribute, label in STEPS:
+            owner = importlib.import_module(module)
+            holder, _, name = attribute.rpartition(".")
+            target = getattr(owner, holder) if holder else owner
+            setattr(target, name, wrapped(getattr(target, name), label))
+        threading.Thread(target=sample, daemon=True).start()
+        options = CompressOptions(model=str(root / "model"), method="ftc", ratio=0.4, calib_samples=8,
+                                  seq_len=512, device="cpu")
+        compress(options, root / "out", progress=False)
+        return {"shape": shape, "layout": {k: v for k, v in spec.items() if k != "target_bytes"},
+                "steps": {label: dict(zip(("rss", "anon", "file"), peaks[label], strict=True))
+                          for label in ["other", *(s[2] for s in STEPS)] if label in peaks}}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def parse_case(text: str) -> tuple[str, list[int]]:
     """`shape:depth,depth` -> (shape, depths)."""
     shape, _, depths = text.partition(":")
@@ -147,7 +207,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "memory.json")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows of --out for other (shape, layers) cases: shapes run one at a time")
+    parser.add_argument("--steps", choices=SHAPES, default=None,
+                        help="instead: peak RSS per step of one layer of SHAPE, sampled in process")
+    parser.add_argument("--build", nargs=2, metavar=("FOLDER", "SHAPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.build:  # the child of --steps
+        shape = SHAPES[args.build[1]]
+        build_checkpoint(Path(args.build[0]), 1, shape["hidden"], shape["intermediate"], shape["heads"],
+                         shape["kv_heads"])
+        return
+    if args.steps:
+        found = step_peaks(args.steps, args.workdir)
+        print(json.dumps(found, indent=2))
+        out = args.out.with_name("memory_steps.json")
+        out.write_text(json.dumps({**json.loads(out.read_text()), args.steps: found} if out.is_file()
+                                  else {args.steps: found}, indent=2))
+        return
     settings = {"method": args.method, "ratio": 0.4, "calibration": f"{args.calib_samples} x {args.seq_len}",
                 "shapes": {name: {k: v for k, v in shape.items() if k != "target_bytes"}
                            for name, shape in SHAPES.items()}}

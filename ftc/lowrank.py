@@ -35,7 +35,9 @@ def truncated_svd(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
 
 def whitened_svd(w: torch.Tensor, whitening: Whitening, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Activation-weighted truncated SVD: SVD of `R^T W`, then `A = R^{-T} A~` (§3, §8; SVD-LLM)."""
-    a, b = truncated_svd(whitening.apply(w.to(WORK_DTYPE)), rank)
+    # converted before the call, so the float64 product is freed before the SVD's workspace exists
+    white = whitening.apply(w.to(WORK_DTYPE)).to(FACTOR_DTYPE)
+    a, b = truncated_svd(white, rank)
     return whitening.unapply(a), b
 
 
@@ -52,55 +54,79 @@ def scaled_svd(
     return a / scale[:, None], b
 
 
+COLUMNS = 512
+"""Columns per step of `anchored_rhs` and `weighted_error`: their float64 temporaries are this
+wide, not `out`."""
+
+
+def anchored_rhs(
+    cross_sum: torch.Tensor, count: int, gram_tt: torch.Tensor, w_o: torch.Tensor, anchor: float
+) -> torch.Tensor:
+    """Right side of `W_O`'s anchored normal equations, `A_s^T A_t W_O / n + a C_t W_O` (§8).
+
+    Takes the raw cross sum `A_s^T A_t` and converts `W_O` to float64 `COLUMNS` columns at
+    a time, so nothing d x d is allocated beside the Grams but the result (each is 134 MB at
+    width 4096, and this step sets the 7B-shaped peak; benchmarks/results/memory.md).
+    """
+    rhs = torch.empty(cross_sum.shape[0], w_o.shape[1], dtype=WORK_DTYPE, device=cross_sum.device)
+    for start in range(0, w_o.shape[1], COLUMNS):
+        part = w_o[:, start : start + COLUMNS].to(WORK_DTYPE)
+        rhs[:, start : start + COLUMNS] = (cross_sum @ part).div_(max(count, 1)).addmm_(gram_tt, part, alpha=anchor)
+    return rhs
+
+
 def calibrated_wo(
-    gram_ss: torch.Tensor,
-    gram_tt: torch.Tensor,
-    gram_st: torch.Tensor,
-    w_o: torch.Tensor,
-    anchor: float = 0.5,
-    eps: float = DEFAULT_EPS,
+    lhs: torch.Tensor, rhs: torch.Tensor, w_o: torch.Tensor, eps: float = DEFAULT_EPS
 ) -> tuple[torch.Tensor, float | None]:
     """Teacher-calibrated output projection with teacher-Gram anchoring (§8), and the `eps` used.
 
-    Solves `(A_s^T A_s + a A_t^T A_t) W* = A_s^T A_t W_O + a A_t^T A_t W_O` with every Gram
-    normalised by n. With `A_s == A_t` the solution is `W_O` itself. The damping of the left side
-    rises tenfold while the solve is not finite (§3); if none is, the pretrained weight is kept
-    and `eps` is None.
+    Solves `(C_s + a C_t) W* = rhs` for `lhs = C_s + a C_t` and `rhs` from `anchored_rhs`: the
+    minimiser of `||A_s W - A_t W_O||^2 + a ||A_t (W - W_O)||^2`. With `A_s == A_t` the solution
+    is `W_O` itself. The damping of `lhs` rises tenfold while the solve is not finite (§3); if none
+    is, the pretrained weight is kept and `eps` is None. The caller forms `lhs`, in place where
+    it owns the Grams (FTC's `o`), so no d x d sum is allocated beside them.
     """
-    # each side built in its own buffer, and the float64 W_O freed before the solve: no scaled
-    # copy of a d x d float64 Gram beside them
-    original = w_o.to(WORK_DTYPE)
-    rhs = (gram_st @ original).addmm_(gram_tt, original, alpha=anchor)
-    del original
-    lhs = torch.add(gram_ss, gram_tt, alpha=anchor)
     for chol, used in damped_factors(lhs, eps):
         solution = torch.cholesky_solve(rhs, chol)
+        del chol
         if bool(torch.isfinite(solution).all()):
             return solution, used
     return w_o.to(WORK_DTYPE), None
 
 
-ERROR_COLUMNS = 512
-"""Output columns per step of `weighted_error`: its float64 temporaries are this wide, not `out`."""
-
-
 def weighted_error(
-    w: torch.Tensor, approx: torch.Tensor, gram: torch.Tensor | None, balance: bool = False
+    w: torch.Tensor,
+    approx: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    gram: torch.Tensor | None,
+    balance: bool = False,
 ) -> float:
     """Relative activation-weighted error `sum_s a_s tr(dW_s^T C dW_s) / sum_s a_s tr(W_s^T C W_s)`.
 
     `w` is one matrix `(in, out)` or a stack of slices `(S, in, out)`; the identity metric if
     `gram` is None. `balance` weighs each slice by `a_s = 1 / tr(W_s^T C W_s)`, so every slice's
     relative error counts the same (the objective of slice balancing, §4); otherwise `a_s = 1`.
+    `approx` is a tensor of `w`'s shape or, for one matrix, its factors `(A, B)`, multiplied out
+    `COLUMNS` columns at a time: no d x d float64 product beside `w` (134 MB at width 4096).
     """
     w = w if w.dim() == 3 else w[None]
-    approx = approx.reshape(w.shape)
+    if isinstance(approx, tuple):
+        left = approx[0].to(WORK_DTYPE)
+        right = approx[1]
+
+        def columns(cut: slice) -> torch.Tensor:
+            return (left @ right[:, cut].to(WORK_DTYPE))[None]
+    else:
+        whole = approx.reshape(w.shape)
+
+        def columns(cut: slice) -> torch.Tensor:
+            return whole[..., cut].to(WORK_DTYPE)
+
     gram = None if gram is None else gram.to(WORK_DTYPE)
     energy = torch.zeros(w.shape[0], dtype=WORK_DTYPE, device=w.device)
     err = torch.zeros_like(energy)
-    for start in range(0, w.shape[2], ERROR_COLUMNS):  # float64 temporaries of a few columns at a time
-        part = w[..., start : start + ERROR_COLUMNS].to(WORK_DTYPE)
-        diff = part - approx[..., start : start + ERROR_COLUMNS].to(WORK_DTYPE)
+    for start in range(0, w.shape[2], COLUMNS):  # float64 temporaries of a few columns at a time
+        part = w[..., start : start + COLUMNS].to(WORK_DTYPE)
+        diff = part - columns(slice(start, start + COLUMNS))
         if gram is None:
             energy += part.pow(2).sum((1, 2))
             err += diff.pow(2).sum((1, 2))
@@ -132,13 +158,14 @@ def guarded_whitened_svd(
     """`whitened_svd` under the outcome guard of §3: the reference is the plain truncated SVD."""
 
     def error(factors: tuple[torch.Tensor, torch.Tensor]) -> float:
-        return weighted_error(w, factors[0] @ factors[1], gram)
+        return weighted_error(w, factors, gram)
 
     return guarded_fit(gram, lambda white: whitened_svd(w, white, rank), error,
                        lambda: error(truncated_svd(w, rank)))
 
 
 __all__ = [
+    "anchored_rhs",
     "budget_rank",
     "calibrated_wo",
     "eig_whitened_svd",

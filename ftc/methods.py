@@ -25,6 +25,8 @@ from .arch import AttentionLayout
 from .cp import EXTRAPOLATION_POWER, MAX_SWEEPS, PROXIMAL, TOLERANCE, compress_cp
 from .lowrank import (
     ASVD_ALPHA,
+    FACTOR_DTYPE,
+    anchored_rhs,
     budget_rank,
     calibrated_wo,
     eig_whitened_svd,
@@ -54,6 +56,15 @@ class ContextStats:
     teacher: Moments
     student: Moments | None = None
     cross: torch.Tensor | None = None
+
+    def take(self) -> tuple[Moments, Moments | None, torch.Tensor | None]:
+        """`(teacher, student, cross)`, handed over: this object drops them, so a consumer that
+        holds the only references can free or overwrite each d x d float64 buffer once it is
+        spent (134 MB apiece at width 4096; FTC's `o` sets the 7B-shaped memory peak)."""
+        taken = self.teacher, self.student, self.cross
+        del self.teacher
+        self.student = self.cross = None
+        return taken
 
 
 @dataclass
@@ -338,29 +349,42 @@ class FTC(Method):
         }
 
     def o(self, w_o, ctx, layout):
-        rank = self.rank("o", *w_o.shape)
-        anchor = self.anchor
-        target, eps_solve = w_o, None
-        if "no_wo_target" not in self.ablations:
-            n = ctx.student.count
-            target, eps_solve = calibrated_wo(ctx.student.gram, ctx.teacher.gram, ctx.cross / n, w_o, anchor)
-        gram = None if "no_whiten" in self.ablations else self._wo_metric(ctx, anchor)
-        (a, b), whitening = guarded_whitened_svd(target, gram, rank)
-        return self._lowrank("o", a, b), {"r_o": rank, "eps_o": whitening.eps, "eps_o_solve": eps_solve,
-                                          "anchor": anchor}
-
-    def _wo_metric(self, ctx: ContextStats, anchor: float) -> torch.Tensor:
-        """The metric `W*` is truncated in (§8): the anchored objective's own, unless ablated.
+        """Calibrated target `W*` (§8), truncated in the anchored objective's own metric.
 
         `||A_s W - A_t W_O||^2 + a ||A_t W - A_t W_O||^2` equals `n ||R^T (W - W*)||^2` plus a
-        constant, with `R R^T = C_s + a C_t`, so whitening by that sum makes the truncated SVD the
-        best rank-`r_o` `W_O` for the whole objective. The paper whitens by `C_s` alone
-        (`wo_student_metric`), exact only without the anchor; without the calibrated target the
-        objective is `||A_s W - A_s W_O||^2` and `C_s` is its metric either way.
+        constant, with `R R^T = C_s + a C_t`, so whitening by that sum (the left side of the
+        solve) makes the truncated SVD the best rank-`r_o` `W_O` for the whole objective. The
+        paper whitens by `C_s` alone (`wo_student_metric`), exact only without the anchor; without
+        the calibrated target (`no_wo_target`) the objective is `||A_s W - A_s W_O||^2` and `C_s`
+        is its metric either way.
+
+        `ctx` is taken over (`ContextStats.take`): each Gram is freed as soon as it is spent and
+        `C_s + a C_t` is formed in `C_s`'s buffer, so the solve holds four d x d float64 buffers
+        and the truncation three, not the eight and seven of building every term beside the
+        Grams (the 7B-shaped peak, benchmarks/results/memory.md).
         """
-        if "wo_student_metric" in self.ablations or "no_wo_target" in self.ablations:
-            return ctx.student.gram
-        return torch.add(ctx.student.gram, ctx.teacher.gram, alpha=anchor)  # one d x d, no scaled copy
+        rank = self.rank("o", *w_o.shape)
+        anchor = self.anchor
+        teacher, student, cross = ctx.take()
+        target, eps_solve = w_o, None
+        if "no_wo_target" in self.ablations:
+            metric = student.gram
+        else:
+            rhs = anchored_rhs(cross, student.count, teacher.gram, w_o, anchor)
+            del cross
+            if "wo_student_metric" in self.ablations:  # the paper's metric, C_s alone: both kept
+                metric, lhs = student.gram, torch.add(student.gram, teacher.gram, alpha=anchor)
+            else:
+                metric = lhs = student.gram.add_(teacher.gram, alpha=anchor)  # C_s is spent here
+            del teacher, student
+            target, eps_solve = calibrated_wo(lhs, rhs, w_o)
+            del lhs, rhs
+            # float32 from here: the truncation runs in float32 anyway (`truncated_svd`), and the
+            # target sits beside the metric, a factor and the SVD's workspace
+            target = target.to(FACTOR_DTYPE)
+        (a, b), whitening = guarded_whitened_svd(target, None if "no_whiten" in self.ablations else metric, rank)
+        return self._lowrank("o", a, b), {"r_o": rank, "eps_o": whitening.eps, "eps_o_solve": eps_solve,
+                                          "anchor": anchor}
 
     @property
     def plans(self) -> bool:

@@ -148,15 +148,15 @@ def guarded_fit(
     identity = Whitening(None, None)
     if gram is None:
         return fit(identity), identity
-    bound: float | None = None
+    # first, while no factor or whitened fit is resident: at width 4096 the reference's SVD
+    # beside a Cholesky factor would set the W_O step's memory peak (benchmarks/results/memory.md)
+    bound = reference()
     for chol, used in damped_factors(gram, eps, max_eps):
         whitening = Whitening(chol, used)
         result = fit(whitening)
         measured = error(result)
         if not math.isfinite(measured):
             continue
-        if bound is None:
-            bound = reference()
         if not math.isfinite(bound) or measured <= bound * (1 + GUARD_TOLERANCE):
             return result, whitening
     return fit(identity), identity

@@ -7,6 +7,8 @@ the finished run), layer `l` and later original.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -41,7 +43,7 @@ class Recorder:
         return self.method.qkv(weights, x, layout)
 
     def o(self, w_o, ctx, layout):
-        self.contexts.append(ctx)
+        self.contexts.append(copy.deepcopy(ctx))  # FTC's `o` takes the Grams over and spends them
         return self.method.o(w_o, ctx, layout)
 
 
