@@ -10,9 +10,9 @@ heads sharing 4 K/V heads) or of a Llama/Mistral 7B (hidden 4096, MLP 14336, 32 
 sharing 8 K/V heads), compresses each with `ftc compress` in a child process run under
 `/usr/bin/time -v`, and reads the child's peak resident set size from outside. Only one layer
 is ever resident, so the peak is one layer's work plus a fixed runtime and must not grow with
-depth: each shape runs at two depths to show that. Calibration is one default batch (8 x 512
-tokens): the activation transients are those of a full run; only the stream itself (tokens x
-hidden x 4 bytes) grows with more samples.
+depth: each shape runs at two depths to show that. Calibration is 8 x 512 tokens, two batches
+of the default 4 sequences: the activation transients are those of a full run; only the stream
+itself (tokens x hidden x 4 bytes) grows with more samples.
 `--steps` samples one layer's compression in process and charges each sample to the step then
 running (memory_steps.json). Writes benchmarks/results/memory.{json,md}.
 Targets: peak RSS per shape in `SHAPES`, flat in depth.

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from cli.common import UsageError, writable_out
-from ftc.options import ABLATIONS, ALLOCATIONS, DEVICES, DTYPES, METHODS, InputError
+from ftc.options import ABLATIONS, ALLOCATIONS, BATCH_SIZE, DEVICES, DTYPES, METHODS, InputError
 
 
 def check_inputs(model: str, device: str, datasets: list[tuple[str, str]]) -> None:
@@ -89,7 +89,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--dtype", default="float16", choices=DTYPES, help="storage dtype (the budget unit)")
     c.add_argument("--device", default="auto", choices=DEVICES, help="where the math runs")
     c.add_argument("--ablate", default="", help=f"comma list of: {', '.join(ABLATIONS)}")
-    c.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
+    c.add_argument("--batch-size", type=int, default=BATCH_SIZE,
+                   help="calibration sequences per forward (default %(default)s; more is faster where memory allows)")
     c.add_argument("--allocation", default="uniform", choices=ALLOCATIONS,
                    help="rho in every layer (uniform) or one model-wide budget split by measured curves (global)")
     c.add_argument("--out", help="artifact folder (written atomically)")

@@ -26,6 +26,7 @@ from .methods import Method, make_method
 from .models import load_tokenizer, pick_device, resolve_model
 from .options import (
     ALLOCATIONS,
+    BATCH_SIZE,
     DTYPES,
     METHODS,
     InputError,
@@ -57,7 +58,7 @@ class CompressOptions:
     dtype: str = "float16"
     device: str = "auto"
     ablate: tuple[str, ...] = field(default_factory=tuple)
-    batch_size: int = 8
+    batch_size: int = BATCH_SIZE
     allocation: str = "uniform"
 
     def validate(self) -> CompressOptions:

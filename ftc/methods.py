@@ -378,7 +378,7 @@ class FTC(Method):
                 metric = lhs = student.gram.add_(teacher.gram, alpha=anchor)  # C_s is spent here
             del teacher, student
             target, eps_solve = calibrated_wo(lhs, rhs, w_o)
-            del lhs, rhs
+            del lhs, rhs, w_o  # the pipeline hands W_O over: its float32 copy (64 MB at 4096) goes here
             # float32 from here: the truncation runs in float32 anyway (`truncated_svd`), and the
             # target sits beside the metric, a factor and the SVD's workspace
             target = target.to(FACTOR_DTYPE)

@@ -46,6 +46,10 @@ ALLOCATIONS: tuple[str, ...] = ("uniform", "global")
 split by measured error-versus-budget curves (ftc-method.md §13; method `ftc` only)."""
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+BATCH_SIZE = 4
+"""Default calibration sequences per forward. Each statistics pass holds one batch's attention
+activations beside the layer's Grams: 4 x 512 tokens keep a 7B-shaped layer's peak under 1.6 GB
+(benchmarks/results/memory.md); on a GPU with memory to spare, more is faster."""
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 """Storage dtypes of the compressed factors (the unit of the budget); each is the name of the
 `torch` dtype it stands for, so `ftc.compress.storage_dtype` maps it without a second table."""

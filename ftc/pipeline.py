@@ -309,11 +309,15 @@ def compress_layer(
         ctx, contexts = context_stats(layer, layout, stream, qkv_modules if method.needs_student_context else None,
                                       method.needs_abs_mean, replay if stream is not None else None)
     phases.lap("statistics")
-    if method.stream == "student":  # the original Q/K/V are spent: freed before W_O's math
-        place(layer, layout.projections, {p: m.to(weights["o"].device) for p, m in qkv_modules.items()})
+    device = weights["o"].device
+    if method.stream == "student":
+        # the original projections are spent once the contexts are in (propagation replays the
+        # compressed ones): freed before W_O's math, whose argument is then its weight's only holder
+        place(layer, layout.projections, {p: m.to(device) for p, m in qkv_modules.items()})
+        set_module(layer, layout.o, nn.Identity())  # until its replacement is placed below
         for p in "qkv":
             del weights[p]
-    o_group, o_report = method.o(weights["o"], ctx, layout)
+    o_group, o_report = method.o(weights.pop("o"), ctx, layout)
     replacements = {**qkv_modules, **_modules([o_group], biases, layout, compute_dtype)}
     del ctx  # the Grams are spent; propagation below is the layer's other memory peak
     if trim:
@@ -323,7 +327,7 @@ def compress_layer(
         load_rest()
     if stream is not None and method.stream == "teacher":
         propagate(layer, stream, layout, contexts)
-    place(layer, layout.projections, {p: m.to(weights["o"].device) for p, m in replacements.items()})
+    place(layer, layout.projections, {p: m.to(device) for p, m in replacements.items()})
     if stream is not None and method.stream == "student":
         propagate(layer, stream, layout, contexts)
     phases.lap("propagate")
