@@ -90,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--device", default="auto", choices=DEVICES, help="where the math runs")
     c.add_argument("--ablate", default="", help=f"comma list of: {', '.join(ABLATIONS)}")
     c.add_argument("--batch-size", type=int, default=BATCH_SIZE,
-                   help="calibration sequences per forward (default %(default)s; more is faster where memory allows)")
+                   help="calibration sequences per forward; more is faster where memory allows")
     c.add_argument("--allocation", default="uniform", choices=ALLOCATIONS,
                    help="rho in every layer (uniform) or one model-wide budget split by measured curves (global)")
     c.add_argument("--out", help="artifact folder (written atomically)")
