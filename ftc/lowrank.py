@@ -88,7 +88,6 @@ def calibrated_wo(
     """
     for chol, used in damped_factors(lhs, eps):
         solution = torch.cholesky_solve(rhs, chol)
-        del chol
         if bool(torch.isfinite(solution).all()):
             return solution, used
     return w_o.to(WORK_DTYPE), None

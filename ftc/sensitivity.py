@@ -41,10 +41,6 @@ from .weights import WeightSource, materialize, skeleton
 if TYPE_CHECKING:
     from .methods import Method
 
-RATIO_CANDIDATES = ASVD_RATIO_CANDIDATES
-UNLISTED_RATIO = ASVD_UNLISTED_RATIO
-SENSITIVITY_SEQUENCES = ASVD_SENSITIVITY_SEQUENCES
-
 PARTS = ("q", "k", "v", "o")
 
 
@@ -59,7 +55,7 @@ class Sensitivity:
 
 
 def threshold_ratios(entries: list[Sensitivity], sizes: dict[tuple[int, str], int], budget: int,
-                     unlisted: float = UNLISTED_RATIO) -> dict[tuple[int, str], float]:
+                     unlisted: float = ASVD_UNLISTED_RATIO) -> dict[tuple[int, str], float]:
     """ASVD's binary search for a perplexity threshold (§11): the ratio of each matrix within `budget`.
 
     Entries sorted by perplexity, highest first; the threshold at position `k` admits the entries
@@ -239,14 +235,14 @@ def truncations(method: Method, proj: str, w: torch.Tensor, scale: torch.Tensor,
 
 
 def sensitivities(method: Method, model: nn.Module, layout: AttentionLayout, calib: torch.Tensor, *,
-                  batch_size: int, progress: bool = True, ratios: tuple[float, ...] = RATIO_CANDIDATES
+                  batch_size: int, progress: bool = True, ratios: tuple[float, ...] = ASVD_RATIO_CANDIDATES
                   ) -> list[Sensitivity]:
     """ASVD's sensitivity list (§11): the calibration perplexity with each projection alone truncated
-    at each ratio, measured on the first `SENSITIVITY_SEQUENCES` calibration sequences, on the
+    at each ratio, measured on the first `ASVD_SENSITIVITY_SEQUENCES` calibration sequences, on the
     device the model sits on."""
     device = model.get_input_embeddings().weight.device
     scales = activation_scales(model, layout, calib, batch_size, device)
-    ids = calib[:SENSITIVITY_SEQUENCES]
+    ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
     inputs = cached_layer_inputs(model, layout, ids, batch_size, device)
     layers = decoder_layers(model, layout)
     entries = []

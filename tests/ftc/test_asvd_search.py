@@ -17,11 +17,9 @@ from ftc.compress import CompressOptions, compress
 from ftc.lowrank import scaled_svd
 from ftc.methods import make_method
 from ftc.metric import Moments
-from ftc.options import InputError
+from ftc.options import ASVD_SENSITIVITY_SEQUENCES, ASVD_UNLISTED_RATIO, InputError
 from ftc.pipeline import capture_input, context_stats, layer_inputs, propagate
 from ftc.sensitivity import (
-    SENSITIVITY_SEQUENCES,
-    UNLISTED_RATIO,
     Sensitivity,
     search_budgets,
     sensitivities,
@@ -61,10 +59,10 @@ def test_threshold_ratios_on_a_worked_example():
     # sorted: b0.1 (30), b0.5 (12), a0.1 (11), a0.5 (10.2); thresholds from high to low
     assert threshold_ratios(entries, sizes, 20) == {(0, "a"): 0.1, (0, "b"): 0.1}
     assert threshold_ratios(entries, sizes, 60) == {(0, "a"): 0.1, (0, "b"): 0.5}
-    assert threshold_ratios(entries, sizes, 110) == {(0, "a"): 0.1, (0, "b"): UNLISTED_RATIO}
-    assert threshold_ratios(entries, sizes, 149) == {(0, "a"): 0.1, (0, "b"): UNLISTED_RATIO}
-    assert threshold_ratios(entries, sizes, 150) == {(0, "a"): 0.5, (0, "b"): UNLISTED_RATIO}
-    assert threshold_ratios(entries, sizes, 200) == {(0, "a"): UNLISTED_RATIO, (0, "b"): UNLISTED_RATIO}
+    assert threshold_ratios(entries, sizes, 110) == {(0, "a"): 0.1, (0, "b"): ASVD_UNLISTED_RATIO}
+    assert threshold_ratios(entries, sizes, 149) == {(0, "a"): 0.1, (0, "b"): ASVD_UNLISTED_RATIO}
+    assert threshold_ratios(entries, sizes, 150) == {(0, "a"): 0.5, (0, "b"): ASVD_UNLISTED_RATIO}
+    assert threshold_ratios(entries, sizes, 200) == {(0, "a"): ASVD_UNLISTED_RATIO, (0, "b"): ASVD_UNLISTED_RATIO}
     with pytest.raises(InputError, match="--ratio"):
         threshold_ratios(entries, sizes, 19)
 
@@ -80,7 +78,7 @@ def test_threshold_ratios_is_the_lowest_threshold_within_the_budget(seed):
 
     def by_threshold(threshold: float) -> dict:  # the definition: smallest ratio whose ppl <= threshold
         under = [e for e in entries if e.perplexity <= threshold]
-        return {u: min([e.ratio for e in under if (e.layer, e.proj) == u], default=UNLISTED_RATIO) for u in units}
+        return {u: min([e.ratio for e in under if (e.layer, e.proj) == u], default=ASVD_UNLISTED_RATIO) for u in units}
 
     def cost(plan: dict) -> int:
         return sum(int(plan[u] * sizes[u]) for u in units)
@@ -129,7 +127,7 @@ def test_each_sensitivity_is_the_perplexity_with_that_matrix_truncated(layout_na
     entries = sensitivities(method, model, layout, calib, batch_size=BATCH, progress=False, ratios=ratios)
     assert [(e.layer, e.proj, e.ratio) for e in entries] == list(itertools.product(range(3), "qkvo", ratios))
     means = _abs_means(model, layout, calib)
-    ids = calib[:SENSITIVITY_SEQUENCES]
+    ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
     for e in entries:
         w = dict(zip("qkvo", (get_module(decoder_layers(model, layout)[e.layer], n).weight
                               for n in layout.projections.values()), strict=True))[e.proj]
@@ -168,7 +166,7 @@ def test_a_planted_sensitive_matrix_gets_the_budget():
     method = search_budgets(make_method("asvd", rho, torch.float32), model, layout, calib, batch_size=BATCH,
                             progress=False)
     ratios = {(i, p): budget[p] / sizes[p] for i, budget in enumerate(method.budgets) for p in "qkvo"}
-    assert ratios.pop(planted) == pytest.approx(UNLISTED_RATIO)
+    assert ratios.pop(planted) == pytest.approx(ASVD_UNLISTED_RATIO)
     assert max(ratios.values()) == pytest.approx(0.1, abs=1e-3)
 
 
@@ -221,7 +219,7 @@ def test_a_streamed_asvd_run_equals_the_in_memory_run_and_resumes(tiny_folder, s
     in_memory, memory_manifest, _ = compress_loaded(model, smollm2_tokenizer, tmp_path / "in-memory", **fields)
     budgets = manifest["allocation"]["layer_budgets"]
     assert budgets == memory_manifest["allocation"]["layer_budgets"] and len({str(b) for b in budgets}) > 1
-    assert manifest["choices"]["rank_search"]["sensitivity_sequences"] == SENSITIVITY_SEQUENCES
+    assert manifest["choices"]["rank_search"]["sensitivity_sequences"] == ASVD_SENSITIVITY_SEQUENCES
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(streamed(ids).logits, in_memory(ids).logits, rtol=1e-5, atol=1e-5)
