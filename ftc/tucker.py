@@ -213,18 +213,27 @@ class _EnergyTable:
 
     The squared block is laid out mode-1-row-major once, so the entries of `G[:, :r1, :r2]` are a
     prefix of it and each candidate is one partial selection (`topk`), linear in the block size.
+    Candidates in the coarse grid's order (`r1` up, so `K` down) select from less: the top `K'`
+    of a longer prefix lie among the previous candidate's top `K >= K'` and the rows added since
+    (anything else is beaten by `K` entries already), so that pool replaces the whole prefix.
     """
 
     def __init__(self, core: torch.Tensor, r2: int) -> None:
         self.r2 = r2
         self.row = core.shape[0] * r2
         self.squares = core[:, :, :r2].pow(2).permute(1, 0, 2).reshape(-1).contiguous()
+        self._last: tuple[int, int, torch.Tensor] | None = None  # (r1, K, the top-K values)
 
     def energy(self, r1: int, kept: int) -> float:
-        block = self.squares[: r1 * self.row]
-        if kept >= block.numel():
-            return float(block.double().sum())
-        return float(torch.topk(block, kept, sorted=False).values.double().sum())
+        last, self._last = self._last, None  # freed before the next selection's buffers exist
+        if last is not None and r1 >= last[0] and kept <= last[1]:
+            pool = torch.cat([last[2], self.squares[last[0] * self.row : r1 * self.row]])
+        else:
+            pool = self.squares[: r1 * self.row]
+        del last
+        top = pool if kept >= pool.numel() else torch.topk(pool, kept, sorted=False).values
+        self._last = (r1, kept, top)
+        return float(top.double().sum())
 
 
 def _grid(limit: int, points: int) -> list[int]:

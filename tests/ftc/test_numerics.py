@@ -158,13 +158,14 @@ def test_in_place_damped_factors_equal_the_cholesky_of_the_damped_gram():
         torch.testing.assert_close(chol, torch.linalg.cholesky(damp(gram, eps)), rtol=0, atol=0)
 
 
-def test_float32_chunk_grams_equal_float64_grams():
+@pytest.mark.parametrize("dim", [48, 50, 3])  # whole, ragged and single-column Gram blocks
+def test_float32_chunk_grams_equal_float64_grams(dim):
     g = torch.Generator().manual_seed(5)
-    batches = [torch.randn(3, 700, 48, generator=g) * torch.logspace(1, -2, 48) + 0.3 for _ in range(3)]
-    moments = Moments(48, absolute=True)
+    batches = [torch.randn(3, 700, dim, generator=g) * torch.logspace(1, -2, dim) + 0.3 for _ in range(3)]
+    moments = Moments(dim, absolute=True)
     for b in batches:
         moments.update(b)
-    rows = torch.cat([b.reshape(-1, 48) for b in batches]).to(D)
+    rows = torch.cat([b.reshape(-1, dim) for b in batches]).to(D)
     assert moments.gram_sum.dtype == D and moments.count == rows.shape[0]
     torch.testing.assert_close(moments.gram, rows.T @ rows / rows.shape[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(moments.abs_mean, rows.abs().mean(0), rtol=1e-6, atol=1e-7)

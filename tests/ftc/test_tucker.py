@@ -67,7 +67,10 @@ def test_energy_table_matches_the_top_k_definition():
     core = hosvd(structured_tensor())[2]
     for r2 in (2, 5, 8):
         table = _EnergyTable(core, r2)
-        for r1, kept in [(3, 10), (20, 111), (40, 10_000)]:
+        # in the grid's order (r1 up, K down: selected from the previous top-K and the new rows),
+        # against it, repeated, and past the block's size
+        for r1, kept in [(3, 10), (20, 111), (40, 10_000), (10, 200), (25, 150), (30, 40), (30, 40), (36, 5),
+                         (12, 60)]:
             # the definition: the `kept` largest squared entries of G[:, :r1, :r2]
             block = core[:, :r1, :r2].pow(2).flatten()
             retained = float(torch.topk(block, min(kept, block.numel())).values.sum())
