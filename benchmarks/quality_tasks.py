@@ -79,6 +79,9 @@ def render(results: dict[str, Any], model_name: str, methods: Sequence[str]) -> 
                 lines.append(row(str(ratio), method, cell))
     lines += ["", "Each cell: `ftc.compress` -> artifact on disk -> reloaded (factorized) -> lm-eval. "
               f"Produced by `{results.get('command', 'benchmarks/quality.py --part tasks')}`.", ""]
+    # checks made outside this script (e.g. lm-eval's own `hf` backend on the dense export), kept
+    # in the JSON so a re-run's table still carries them
+    lines += [f"- {note}" for note in results.get("notes", [])] + ([""] if results.get("notes") else [])
     return "\n".join(lines)
 
 
@@ -106,9 +109,14 @@ def run_tasks_part(
     results["calibration"] = f"{base.calib_samples} x {base.seq_len} tokens of {base.calib}, seed {base.seed}"
     results["command"] = " ".join(["benchmarks/quality.py", *sys.argv[1:]])
 
+    def table() -> str:
+        # rows of methods from earlier runs stay in the table, after this run's
+        shown = [*methods, *sorted({c["method"] for c in results["cells"].values()} - set(methods))]
+        return render(results, model_name, shown)
+
     def save() -> None:
         _write(out, json.dumps(results, indent=2))
-        _write(out.with_suffix(".md"), render(results, model_name, methods))
+        _write(out.with_suffix(".md"), table())
 
     if results.get("dense", {}).get("limit", -1) != limit:
         results["dense"] = score_cell(loaded[0], loaded[1], limit, batch_size)
@@ -123,4 +131,4 @@ def run_tasks_part(
             results["cells"][key] = {"method": method, "ratio": ratio, **cell}
             print(key, f"avg6 {cell['avg']:.4f}", flush=True)
             save()
-    print(render(results, model_name, methods))
+    print(table())
