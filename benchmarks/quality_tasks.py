@@ -81,7 +81,8 @@ def render(results: dict[str, Any], model_name: str, methods: Sequence[str]) -> 
               f"Produced by `{results.get('command', 'benchmarks/quality.py --part tasks')}`.", ""]
     # checks made outside this script (e.g. lm-eval's own `hf` backend on the dense export), kept
     # in the JSON so a re-run's table still carries them
-    lines += [f"- {note}" for note in results.get("notes", [])] + ([""] if results.get("notes") else [])
+    notes = results.get("notes", [])
+    lines += [f"- {note}" for note in notes] + ([""] if notes else [])
     return "\n".join(lines)
 
 
