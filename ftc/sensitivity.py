@@ -10,15 +10,22 @@ memory, as ASVD's does. It is cheap where it can be: each decoder layer's input 
 sensitivity sequences is computed once, and a candidate in layer `l` runs only layers `l..L-1`,
 the final norm and the head (the model's own forward, with the layers before `l` handing on the
 cached hidden state).
+
+The sensitivity list depends on the model, the calibration and the method's fixed choices, not on
+rho, so it is kept on disk (`cache_folder`) and a second ratio, a resumed run or a sweep over rho
+reuses it: the search is paid once per model and calibration, not once per ratio.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
     from .methods import Method
 
 PARTS = ("q", "k", "v", "o")
+CACHE_ENV = "FTC_CACHE_DIR"
 
 
 @dataclass(frozen=True)
@@ -260,20 +268,47 @@ def sensitivities(method: Method, model: nn.Module, layout: AttentionLayout, cal
     return entries
 
 
+def cache_folder() -> Path | None:
+    """Where measured sensitivity lists are kept between runs: `$FTC_CACHE_DIR` when set (set and
+    empty: nowhere, every run measures), else `$XDG_CACHE_HOME/ftc`, else `~/.cache/ftc`."""
+    if (value := os.environ.get(CACHE_ENV)) is not None:
+        return Path(value).expanduser() if value else None
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ftc"
+
+
+def cached_sensitivities(path: Path | None, measure: Callable[[], list[Sensitivity]]) -> list[Sensitivity]:
+    """The list stored at `path` when one is there and readable, else `measure()`, then stored there
+    (written whole or not at all). An unreadable file is measured again and replaced, never trusted
+    in part; a cache that cannot be written costs the next run a search, not this one its result."""
+    if path is not None:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return [Sensitivity(**entry) for entry in json.loads(path.read_text())["entries"]]
+    entries = measure()
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # concurrent runs never share it
+            temporary.write_text(json.dumps({"entries": [dataclasses.asdict(e) for e in entries]}))
+            os.replace(temporary, path)
+    return entries
+
+
 def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, calib: torch.Tensor, *,
-                   batch_size: int, progress: bool = True) -> Method:
+                   batch_size: int, progress: bool = True, cache: Path | None = None) -> Method:
     """`method` with per-layer budgets (stored values by projection) from ASVD's rank search (§11).
 
     The budget is `rho` times the attention parameters of the whole model, the accounting of
     every model-wide plan (§13); matrix `p` of layer `l` gets `int(ratio * m n)` values.
     Deterministic for the same model and calibration, so a resumed run plans the same budgets.
+    `cache` is the file of this model and calibration's sensitivity list (`cached_sensitivities`).
     """
     if problem := method_ratio_problem("asvd", method.keep_ratio):
         raise InputError(problem)
     layers = len(decoder_layers(model, layout))
     heads = {"q": layout.heads, "k": layout.kv_heads, "v": layout.kv_heads, "o": layout.heads}
     sizes = {(i, p): layout.hidden * layout.head_dim * heads[p] for i in range(layers) for p in PARTS}
-    entries = sensitivities(method, model, layout, calib, batch_size=batch_size, progress=progress)
+    entries = cached_sensitivities(cache, lambda: sensitivities(method, model, layout, calib,
+                                                                batch_size=batch_size, progress=progress))
     total = int(method.keep_ratio * layers * (layout.qkv_params + layout.o_params))
     ratios = threshold_ratios(entries, sizes, total)
     return dataclasses.replace(method, budgets=tuple({p: int(ratios[i, p] * sizes[i, p]) for p in PARTS}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,10 @@ from service.settings import Settings
 from tests.support.servers import S3_ENV, MotoServer, RedisServer, serve_in_thread, start_moto, start_redis
 from tests.support.service import API_KEYS, JOB_REQUEST, S3_BUCKET, Api, require_redis_server
 from tests.support.tiny import tiny_model
+
+# Runs keep what they cache across runs (ASVD's sensitivity lists) in a folder of the test session's,
+# never the user's: set before any child process (CLI, Ray worker) starts, so they inherit it.
+os.environ["FTC_CACHE_DIR"] = tempfile.mkdtemp(prefix="ftc-test-cache-")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 
 import pytest
@@ -20,7 +21,9 @@ from ftc.metric import Moments
 from ftc.options import ASVD_SENSITIVITY_SEQUENCES, ASVD_UNLISTED_RATIO, InputError
 from ftc.pipeline import capture_input, context_stats, layer_inputs, propagate
 from ftc.sensitivity import (
+    CACHE_ENV,
     Sensitivity,
+    cache_folder,
     search_budgets,
     sensitivities,
     threshold_ratios,
@@ -226,3 +229,46 @@ def test_a_streamed_asvd_run_equals_the_in_memory_run_and_resumes(tiny_folder, s
     again = compress(CompressOptions(model=str(folder), device="cpu", **fields), tmp_path / "again", work_dir=work,
                      progress=False)
     assert again["resumed_from_layer"] == 2 and again["allocation"]["layer_budgets"] == budgets
+
+
+def test_a_second_ratio_plans_from_the_kept_sensitivity_list(tiny_folder, tmp_path, monkeypatch):
+    """The list does not depend on rho: measured once, a run at another ratio plans from it exactly
+    what a fresh search plans. A changed list changes the plan (so the file is what is read), and a
+    damaged file is measured again and replaced."""
+    folder = tiny_folder("gqa", layers=2)
+    fields = dict(model=str(folder), device="cpu", method="asvd", calib_samples=6, seq_len=32, dtype="float32",
+                  batch_size=4)
+    runs = itertools.count()
+
+    def budgets(ratio: float, cache: str) -> list:
+        monkeypatch.setenv(CACHE_ENV, cache)
+        manifest = compress(CompressOptions(ratio=ratio, **fields), tmp_path / f"out{next(runs)}", progress=False)
+        return manifest["allocation"]["layer_budgets"]
+
+    fresh = budgets(0.4, "")  # set and empty: no cache
+    cache = tmp_path / "cache"
+    assert budgets(0.6, str(cache)) != fresh
+    [kept] = (cache / "asvd-sensitivity").iterdir()
+    measured = kept.read_text()
+    assert budgets(0.4, str(cache)) == fresh
+    reversed_list = json.loads(measured)
+    for entry in reversed_list["entries"]:
+        entry["perplexity"] = -entry["perplexity"]  # the least sensitive matrices now look the most
+    kept.write_text(json.dumps(reversed_list))
+    assert budgets(0.4, str(cache)) != fresh
+    kept.write_text(measured[: len(measured) // 2])  # cut short
+    assert budgets(0.4, str(cache)) == fresh
+    assert json.loads(kept.read_text()) == json.loads(measured)
+
+
+def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert cache_folder() == tmp_path / "mine"
+    monkeypatch.setenv(CACHE_ENV, "")
+    assert cache_folder() is None
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_folder() == tmp_path / "xdg" / "ftc"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_folder() == tmp_path / "home" / ".cache" / "ftc"
