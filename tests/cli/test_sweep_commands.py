@@ -65,7 +65,11 @@ def test_create_follow_download_rerun_and_cancel(cli_api: Api, capsys, tmp_path:
         await work_queue(services)
         await Scheduler(services).tick()
 
-    worker = threading.Timer(0.5, lambda: cli_api.run(work_then_report))
+    def work_once_watched() -> None:  # only then: a quick worker would finish before the first poll
+        wait_until(lambda: "queued" in sys.stdout.getvalue(), "the watch's first line")  # capsys's buffer
+        cli_api.run(work_then_report)
+
+    worker = threading.Thread(target=work_once_watched)
     worker.start()
     assert ftc("sweep", "watch", sweep["id"], "--interval", "0.2") == 0
     worker.join()
