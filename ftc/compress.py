@@ -8,8 +8,6 @@ artifact assembled from those checkpoints at the end.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import platform
 import shutil
@@ -143,12 +141,11 @@ def compress(
     calib = calibration_batch(tokenizer, options, layout.hidden) if method.needs_data else None
     if loaded is None:
         tokenizer = None  # tens of MB held through every layer otherwise; the artifact reloads it
-    description = work_description(options, source, weights, calib)
     if method.plans:
         method = plan_budgets(method, weights, layout, calib, options, device, progress,
-                              resident=None if loaded is None else loaded[0],
-                              cache=sensitivity_cache(description, method))
+                              resident=None if loaded is None else loaded[0])
     temporary = work_dir is None
+    description = work_description(options, source, weights, calib)
     if method.budgets is not None:  # a changed plan must not resume another plan's layers
         description["plan"] = list(method.budgets)
     store = LayerStore(work_dir or out_dir.parent / f".{out_dir.name}.work-{os.getpid()}", description)
@@ -168,16 +165,16 @@ def compress(
 
 def plan_budgets(method: Method, weights, layout: AttentionLayout, calib: torch.Tensor,
                  options: CompressOptions, device: torch.device, progress: bool,
-                 resident: torch.nn.Module | None = None, cache: Path | None = None) -> Method:
+                 resident: torch.nn.Module | None = None) -> Method:
     """The statistics pass of a model-wide budget (§13), one original layer resident at a time;
     ASVD's rank search (§11) needs the whole model instead (`resident`, when it is in memory already)
-    and keeps its sensitivity list in `cache`.
+    and keeps its sensitivity list in the cache folder (`ftc.sensitivity.cache_folder`).
 
     Deterministic for the same model and calibration, so a resumed run plans the same budgets.
     """
     if method.whole_model_plan:
         return search_budgets(method, whole_model(weights, device, resident), layout, calib,
-                              batch_size=options.batch_size, progress=progress, cache=cache)
+                              batch_size=options.batch_size, progress=progress, cache=cache_folder())
     model = skeleton(weights.config)
     embed = materialize_embedding_rows(model, weights, calib, device)
     stream = layer_inputs(model, layout, calib, options.batch_size, device)
@@ -195,23 +192,10 @@ def storage_dtype(name: str) -> torch.dtype:
 
 def work_description(options: CompressOptions, source, weights, calib: torch.Tensor | None) -> dict:
     """What identifies a run's checkpoints: a work folder is resumed only for the same description."""
-    description = {"model": source.describe(), "checkpoint_bytes": weights.nbytes, **asdict(options),
+    description = {**asdict(options), "source": source.describe(), "checkpoint_bytes": weights.nbytes,
                    "calibration_sha256": None if calib is None else ids_sha256(calib), "format": 1}
     description.pop("device")  # a run may resume on another device
     return description
-
-
-def sensitivity_cache(description: dict, method: Method) -> Path | None:
-    """The file of ASVD's sensitivity list for this run (`ftc.sensitivity.cached_sensitivities`): named
-    by everything the list depends on, which is the run's description but its ratio and batch size,
-    plus the method's fixed choices. None when the cache is turned off."""
-    folder = cache_folder()
-    if folder is None:
-        return None
-    key = {name: value for name, value in description.items() if name not in ("ratio", "batch_size")}
-    digest = hashlib.sha256(json.dumps({**key, "choices": method.choices()}, sort_keys=True,
-                                       default=str).encode()).hexdigest()
-    return folder / "asvd-sensitivity" / f"{digest}.json"
 
 
 @dataclass(frozen=True)

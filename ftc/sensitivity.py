@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .arch import AttentionLayout, decoder_layers, get_module, projection_weights, set_module
+from .data import ids_sha256
 from .lowrank import scaled_svd
 from .metric import WORK_DTYPE
 from .options import (
@@ -276,6 +278,21 @@ def cache_folder() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ftc"
 
 
+def sensitivity_file(folder: Path, method: Method, model: nn.Module, calib: torch.Tensor) -> Path:
+    """The file in `folder` of the sensitivity list of this model, calibration and method, named by a
+    digest of all the list depends on but rho: every weight and the configuration of the model, the
+    calibration ids, and the method's fixed choices. Content, not provenance: a model in memory, a
+    checkpoint rewritten in place with one of the same size and a new hub revision are told apart by
+    what they hold. Hashing reads the model once, seconds against the search's hours."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy())
+    digest.update(ids_sha256(calib).encode())
+    digest.update(json.dumps([method.choices(), str(method.storage_dtype)], sort_keys=True, default=str).encode())
+    return folder / "asvd-sensitivity" / f"{digest.hexdigest()}.json"
+
+
 def cached_sensitivities(path: Path | None, measure: Callable[[], list[Sensitivity]]) -> list[Sensitivity]:
     """The list stored at `path` when one is there and readable, else `measure()`, then stored there
     (written whole or not at all). An unreadable file is measured again and replaced, never trusted
@@ -300,14 +317,15 @@ def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, ca
     The budget is `rho` times the attention parameters of the whole model, the accounting of
     every model-wide plan (§13); matrix `p` of layer `l` gets `int(ratio * m n)` values.
     Deterministic for the same model and calibration, so a resumed run plans the same budgets.
-    `cache` is the file of this model and calibration's sensitivity list (`cached_sensitivities`).
+    `cache` is the folder the sensitivity list is kept in (`cached_sensitivities`), None for none.
     """
     if problem := method_ratio_problem("asvd", method.keep_ratio):
         raise InputError(problem)
     layers = len(decoder_layers(model, layout))
     heads = {"q": layout.heads, "k": layout.kv_heads, "v": layout.kv_heads, "o": layout.heads}
     sizes = {(i, p): layout.hidden * layout.head_dim * heads[p] for i in range(layers) for p in PARTS}
-    entries = cached_sensitivities(cache, lambda: sensitivities(method, model, layout, calib,
+    path = None if cache is None else sensitivity_file(cache, method, model, calib)
+    entries = cached_sensitivities(path, lambda: sensitivities(method, model, layout, calib,
                                                                 batch_size=batch_size, progress=progress))
     total = int(method.keep_ratio * layers * (layout.qkv_params + layout.o_params))
     ratios = threshold_ratios(entries, sizes, total)

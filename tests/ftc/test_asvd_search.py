@@ -26,6 +26,7 @@ from ftc.sensitivity import (
     cache_folder,
     search_budgets,
     sensitivities,
+    sensitivity_file,
     threshold_ratios,
     whole_model,
 )
@@ -259,6 +260,24 @@ def test_a_second_ratio_plans_from_the_kept_sensitivity_list(tiny_folder, tmp_pa
     kept.write_text(measured[: len(measured) // 2])  # cut short
     assert budgets(0.4, str(cache)) == fresh
     assert json.loads(kept.read_text()) == json.loads(measured)
+
+
+def test_the_kept_list_is_named_by_what_the_model_holds(tmp_path):
+    """Not by where the model came from: two models of one shape and size differ, a weight changed in
+    place changes the name, and only rho may change without changing it."""
+    model = tiny_model("gqa", seed=0)
+    calib = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(0))
+    method = make_method("asvd", 0.4, torch.float16)
+    name = sensitivity_file(tmp_path, method, model, calib)
+    assert sensitivity_file(tmp_path, make_method("asvd", 0.2, torch.float16), copy.deepcopy(model), calib) == name
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        next(changed.parameters())[0, 0] += 1
+    others = [sensitivity_file(tmp_path, method, tiny_model("gqa", seed=1), calib),
+              sensitivity_file(tmp_path, method, changed, calib),
+              sensitivity_file(tmp_path, method, model, calib.flip(0)),
+              sensitivity_file(tmp_path, make_method("asvd", 0.4, torch.float32), model, calib)]
+    assert name not in others and len(set(others)) == len(others)
 
 
 def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
