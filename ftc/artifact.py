@@ -45,8 +45,11 @@ DTYPE_CODES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32
                torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole or keeps what it held: written beside it, then renamed over it. The
+    temporary name carries the pid, so processes writing the same file (workers filling one cache)
+    never write into each other's temporary."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
@@ -121,7 +124,7 @@ class LayerStore:
                     f"at ratio {held['description'].get('ratio')}); use a fresh --work-dir or delete it"
                 )
         else:
-            _atomic_write_bytes(stamp, json.dumps({"fingerprint": fingerprint, "description": description},
+            atomic_write_bytes(stamp, json.dumps({"fingerprint": fingerprint, "description": description},
                                                   indent=2, default=str).encode())
 
     def _layer(self, index: int, suffix: str) -> Path:
@@ -144,7 +147,7 @@ class LayerStore:
         if hidden is not None:
             _atomic_save({f"batch.{i}": h.cpu().contiguous() for i, h in enumerate(hidden)}, self._stream(index))
         _atomic_save(tensors, self._layer(index, "safetensors"))
-        _atomic_write_bytes(self._layer(index, "json"), json.dumps(entry, indent=2).encode())
+        atomic_write_bytes(self._layer(index, "json"), json.dumps(entry, indent=2).encode())
         for old in self.folder.glob("stream-*.safetensors"):
             if old != self._stream(index):
                 old.unlink(missing_ok=True)

@@ -35,6 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .arch import AttentionLayout, decoder_layers, get_module, projection_weights, set_module
+from .artifact import atomic_write_bytes
 from .data import ids_sha256
 from .lowrank import scaled_svd
 from .metric import WORK_DTYPE
@@ -304,9 +305,7 @@ def cached_sensitivities(path: Path | None, measure: Callable[[], list[Sensitivi
     if path is not None:
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # concurrent runs never share it
-            temporary.write_text(json.dumps({"entries": [dataclasses.asdict(e) for e in entries]}))
-            os.replace(temporary, path)
+            atomic_write_bytes(path, json.dumps({"entries": [dataclasses.asdict(e) for e in entries]}).encode())
     return entries
 
 
