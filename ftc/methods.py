@@ -35,7 +35,14 @@ from .lowrank import (
     truncated_svd,
 )
 from .metric import DEFAULT_EPS, GUARD_TOLERANCE, MAX_EPS, WORK_DTYPE, Moments, Whitening, guarded_fit
-from .options import ASVD_RATIO_CANDIDATES, ASVD_SENSITIVITY_SEQUENCES, ASVD_UNLISTED_RATIO, METHODS
+from .options import (
+    ALLOCATION_METHODS,
+    ALLOCATIONS,
+    ASVD_RATIO_CANDIDATES,
+    ASVD_SENSITIVITY_SEQUENCES,
+    ASVD_UNLISTED_RATIO,
+    METHODS,
+)
 from .stored import cp_tensors, lowrank_tensors, tucker_tensors
 from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, SliceError, compress_tensor, head_concat, head_slices
 
@@ -75,7 +82,8 @@ class Method:
     storage_dtype: torch.dtype = torch.float16
     ablations: frozenset[str] = field(default_factory=frozenset)
     allocation: str = "uniform"
-    """`uniform`: every layer spends `keep_ratio` (the paper); `global`: a model-wide plan (§13)."""
+    """`uniform`: every layer spends `keep_ratio` (the paper); `global`: a model-wide plan (§13);
+    `sensitivity`: layer budgets from ASVD's sensitivity list (§15)."""
     budgets: tuple[dict, ...] | None = None
     """Per-layer stored-value budgets by part ("qkv", "o", or "q"/"k"/"v"), from `plan`."""
     layer_budget: dict | None = None
@@ -85,9 +93,6 @@ class Method:
     needs_data = True
     needs_student_context = False
     needs_abs_mean = False  # per-channel mean |x| is gathered only for the methods that read it
-    whole_model_plan: ClassVar[bool] = False
-    """Whether the plan measures the whole model's loss (ASVD's rank search, `ftc.sensitivity`)
-    instead of per-layer `survey`s: it then needs every layer resident at once."""
 
     def qkv(self, weights: dict[str, torch.Tensor], x: Moments | None, layout: AttentionLayout):
         raise NotImplementedError
@@ -104,6 +109,21 @@ class Method:
         """Whether a model-wide plan (`survey` + `plan`, or the search of `whole_model_plan`) comes
         before compression."""
         return False
+
+    @property
+    def whole_model_plan(self) -> bool:
+        """Whether the plan measures the whole model's loss (ASVD's rank search, `ftc.sensitivity`)
+        instead of per-layer `survey`s: it then needs every layer resident at once."""
+        return False
+
+    def sensitivity_probe(self) -> Method:
+        """The method whose truncations ASVD's sensitivity list measures (`ftc.sensitivity`): `asvd`
+        at this storage dtype, so every method planning from the list shares one measured list."""
+        return METHOD_CLASSES["asvd"](self.keep_ratio, self.storage_dtype)
+
+    def from_matrix_budgets(self, budgets: list[dict[str, int]], layout: AttentionLayout) -> list[dict]:
+        """This method's per-layer budgets from ASVD's per-matrix ones (`q`, `k`, `v`, `o`): as they are."""
+        return budgets
 
     def survey(self, weights: dict[str, torch.Tensor], x: Moments, ctx: ContextStats, residual: float,
                layout: AttentionLayout) -> dict:
@@ -200,10 +220,13 @@ class ASVD(Method):
 
     stream = "teacher"
     needs_abs_mean = True
-    whole_model_plan = True
 
     @property
     def plans(self) -> bool:
+        return True
+
+    @property
+    def whole_model_plan(self) -> bool:
         return True
 
     def choices(self) -> dict:
@@ -388,7 +411,22 @@ class FTC(Method):
 
     @property
     def plans(self) -> bool:
-        return self.allocation == "global"
+        return self.allocation != "uniform"
+
+    @property
+    def whole_model_plan(self) -> bool:
+        return self.allocation == "sensitivity"
+
+    def from_matrix_budgets(self, budgets, layout):
+        """Layer totals from ASVD's plan, split between Q/K/V and `W_O` as `uniform` splits them (§15).
+
+        The list measures how much the model's loss moves when one matrix loses rank, which ranks
+        layers better than our `effect` estimate does; its split within a layer is ASVD's, made for
+        four separate SVDs, and measured worse than leaving the joint tensor to FTC (§15).
+        """
+        share = layout.qkv_params / (layout.qkv_params + layout.o_params)
+        totals = [sum(layer.values()) for layer in budgets]
+        return [{"qkv": int(total * share), "o": total - int(total * share)} for total in totals]
 
     def survey(self, weights, x, ctx, residual, layout):
         """Q/K/V curve from the allocator's prediction, W_O curve from its whitened spectrum (§13).
@@ -479,6 +517,6 @@ def make_method(
 ) -> Method:
     if ablations and name != "ftc":
         raise ValueError(f"ablations apply to method 'ftc' only; got method {name!r}")
-    if allocation != "uniform" and name != "ftc":
-        raise ValueError(f"allocation {allocation!r} applies to method 'ftc' only; got method {name!r}")
+    if allocation not in ALLOCATIONS or name not in ALLOCATION_METHODS.get(allocation, METHODS):
+        raise ValueError(f"allocation {allocation!r} does not apply to method {name!r} (ALLOCATION_METHODS)")
     return METHOD_CLASSES[name](keep_ratio, storage_dtype, frozenset(ablations), allocation)

@@ -41,9 +41,12 @@ ABLATIONS: tuple[str, ...] = (
 )
 """One-at-a-time removals of FTC components (ftc-method.md §3-§8)."""
 
-ALLOCATIONS: tuple[str, ...] = ("uniform", "global")
-"""How `rho` is spread over layers: the same in every layer (the paper), or one model-wide budget
-split by measured error-versus-budget curves (ftc-method.md §13; method `ftc` only)."""
+ALLOCATION_METHODS: dict[str, tuple[str, ...]] = {"global": ("ftc",), "sensitivity": ("ftc", "cp")}
+"""How `rho` is spread over layers, beyond `uniform` (the same in every layer, the paper, for every
+method), and the methods each applies to: `global`, one model-wide budget split by measured
+error-versus-budget curves (ftc-method.md §13); `sensitivity`, layer budgets from ASVD's measured
+end-to-end sensitivity list (§15)."""
+ALLOCATIONS: tuple[str, ...] = ("uniform", *ALLOCATION_METHODS)
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 BATCH_SIZE = 4
@@ -71,16 +74,23 @@ ASVD_SENSITIVITY_SEQUENCES = 4
 ASVD measures on 32 sequences of 2048 tokens; 4 keeps the `36 L` partial forwards affordable on a CPU."""
 
 
-def method_ratio_problem(method: str, ratio: float) -> str | None:
-    """Why `method` cannot meet keep ratio `ratio`, else None (asvd: below its smallest candidate).
+def method_ratio_problem(method: str, ratio: float, allocation: str = "uniform") -> str | None:
+    """Why `method` under `allocation` cannot meet keep ratio `ratio`, else None: an allocation the
+    method does not take, or a ratio below the smallest candidate of ASVD's sensitivity list for
+    the two that plan from it (`asvd`, `--allocation sensitivity`).
 
     Checked where requests enter (CLI options, job and sweep schemas), so such a job is refused
     before it is queued instead of failing after its statistics pass.
     """
+    takers = ALLOCATION_METHODS.get(allocation)
+    if takers is not None and method not in takers:
+        return (f"allocation {allocation!r} applies to method {' or '.join(repr(m) for m in takers)} only, "
+                f"not {method!r}; leave the allocation at 'uniform'")
     smallest = min(ASVD_RATIO_CANDIDATES)
-    if method == "asvd" and ratio < smallest:
+    user = "asvd" if method == "asvd" else "allocation 'sensitivity'"
+    if (method == "asvd" or allocation == "sensitivity") and ratio < smallest:
         return (f"ratio {ratio:g} is below the smallest ratio asvd's rank search measures ({smallest}); "
-                f"use a ratio of at least {smallest} with asvd")
+                f"use a ratio of at least {smallest} with {user}")
     return None
 
 

@@ -311,22 +311,26 @@ def cached_sensitivities(path: Path | None, measure: Callable[[], list[Sensitivi
 
 def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, calib: torch.Tensor, *,
                    batch_size: int, progress: bool = True, cache: Path | None = None) -> Method:
-    """`method` with per-layer budgets (stored values by projection) from ASVD's rank search (§11).
+    """`method` with per-layer budgets from ASVD's rank search (§11): `asvd`'s per projection,
+    `--allocation sensitivity`'s per layer (`Method.from_matrix_budgets`, §15).
 
     The budget is `rho` times the attention parameters of the whole model, the accounting of
     every model-wide plan (§13); matrix `p` of layer `l` gets `int(ratio * m n)` values.
     Deterministic for the same model and calibration, so a resumed run plans the same budgets.
-    `cache` is the folder the sensitivity list is kept in (`cached_sensitivities`), None for none.
+    The list is measured with `asvd`'s truncations whichever method plans from it
+    (`Method.sensitivity_probe`), so both find one list in the cache: `cache` is the folder it is
+    kept in (`cached_sensitivities`), None for none.
     """
-    if problem := method_ratio_problem("asvd", method.keep_ratio):
+    if problem := method_ratio_problem(method.name, method.keep_ratio, method.allocation):
         raise InputError(problem)
+    probe = method.sensitivity_probe()
     layers = len(decoder_layers(model, layout))
     heads = {"q": layout.heads, "k": layout.kv_heads, "v": layout.kv_heads, "o": layout.heads}
     sizes = {(i, p): layout.hidden * layout.head_dim * heads[p] for i in range(layers) for p in PARTS}
-    path = None if cache is None else sensitivity_file(cache, method, model, calib)
-    entries = cached_sensitivities(path, lambda: sensitivities(method, model, layout, calib,
+    path = None if cache is None else sensitivity_file(cache, probe, model, calib)
+    entries = cached_sensitivities(path, lambda: sensitivities(probe, model, layout, calib,
                                                                 batch_size=batch_size, progress=progress))
     total = int(method.keep_ratio * layers * (layout.qkv_params + layout.o_params))
     ratios = threshold_ratios(entries, sizes, total)
-    return dataclasses.replace(method, budgets=tuple({p: int(ratios[i, p] * sizes[i, p]) for p in PARTS}
-                                                     for i in range(layers)))
+    matrices = [{p: int(ratios[i, p] * sizes[i, p]) for p in PARTS} for i in range(layers)]
+    return dataclasses.replace(method, budgets=tuple(method.from_matrix_budgets(matrices, layout)))

@@ -214,9 +214,10 @@ class JobRequest(_Strict):
     allocation: Literal[ALLOCATIONS] = Field(  # type: ignore[valid-type]
         "uniform",
         exclude_if=lambda value: value == "uniform",
-        description="How rho is spent (method 'ftc' only): 'uniform', the same keep ratio in every layer "
-        "(the paper), or 'global', one budget for the whole attention stack split by measured "
-        "error curves (ftc-method.md §13).",
+        description="How rho is spent: 'uniform', the same keep ratio in every layer (the paper); "
+        "'global', one budget for the whole attention stack split by measured error curves (method "
+        "'ftc'; ftc-method.md §13); 'sensitivity', layer budgets from ASVD's measured end-to-end "
+        "sensitivity (methods 'ftc' and 'cp'; §15).",
     )
     ratio: KeepRatio | None = Field(None, description="Keep ratio rho in (0, 1].")
     ratios: list[KeepRatio] | None = Field(None, min_length=1, max_length=MAX_RATIOS)
@@ -294,11 +295,8 @@ class JobRequest(_Strict):
         if self.ablate and self.method != "ftc":
             raise ValueError(f"ablate removes FTC components; it needs method 'ftc', not {self.method!r}")
         for ratio in self.keep_ratios():
-            if problem := method_ratio_problem(self.method, ratio):
+            if problem := method_ratio_problem(self.method, ratio, self.allocation):
                 raise ValueError(problem)
-        if self.allocation != "uniform" and self.method != "ftc":
-            raise ValueError(f"allocation {self.allocation!r} applies to method 'ftc' only, not {self.method!r}; "
-                             "leave allocation out or set it to 'uniform'")
         return self
 
     def keep_ratios(self) -> list[float]:

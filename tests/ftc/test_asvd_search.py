@@ -199,6 +199,10 @@ def test_a_ratio_below_the_smallest_candidate_is_refused_before_any_work(monkeyp
                        torch.zeros(2, 8, dtype=torch.long), batch_size=BATCH, progress=False)
     with pytest.raises(InputError, match=r"^--ratio 0\.05 is below"):  # the CLI's options, before loading
         CompressOptions(model="smollm2-135m", method="asvd", ratio=0.05).validate()
+    with pytest.raises(InputError, match=r"^--ratio 0\.05 is below .* with --allocation 'sensitivity'"):
+        CompressOptions(model="smollm2-135m", method="cp", ratio=0.05, allocation="sensitivity").validate()
+    with pytest.raises(InputError, match=r"^--allocation 'global' applies to method 'ftc' only, not 'cp'"):
+        CompressOptions(model="smollm2-135m", method="cp", allocation="global").validate()
 
 
 def test_the_search_uses_a_resident_float32_model_itself():
@@ -291,3 +295,32 @@ def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_folder() == tmp_path / "home" / ".cache" / "ftc"
+
+
+@pytest.mark.parametrize("method", ["ftc", "cp"])
+def test_the_sensitivity_allocation_gives_each_layer_asvds_total_from_the_one_kept_list(
+        method, tiny_folder, tmp_path, monkeypatch):
+    """`--allocation sensitivity` (§15): each layer's Q/K/V + `W_O` budget is the sum of what asvd's
+    plan gives that layer's four matrices at the same rho, read from the list asvd kept (no second
+    search), split between Q/K/V and `W_O` as `uniform` splits them; the whole stays within rho x all
+    attention parameters."""
+    folder = tiny_folder("gqa", layers=3)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    fields = dict(model=str(folder), device="cpu", ratio=0.4, calib_samples=6, seq_len=32, dtype="float32",
+                  batch_size=4)
+    asvd = compress(CompressOptions(method="asvd", **fields), tmp_path / "asvd", progress=False)
+
+    def measure(*args, **kwargs):
+        raise AssertionError("the sensitivity list was measured a second time")
+
+    monkeypatch.setattr(sensitivity, "sensitivities", measure)
+    ours = compress(CompressOptions(method=method, allocation="sensitivity", **fields), tmp_path / method,
+                    progress=False)
+    layout = layout_of(tiny_model("gqa", layers=3).config)
+    share = layout.qkv_params / (layout.qkv_params + layout.o_params)
+    totals = [sum(matrices.values()) for matrices in asvd["allocation"]["layer_budgets"]]
+    assert ours["allocation"] == {"kind": "sensitivity", "layer_budgets": [
+        {"qkv": int(total * share), "o": total - int(total * share)} for total in totals]}
+    assert len(set(totals)) > 1  # the list does move budget between layers here
+    storage = ours["storage"]
+    assert storage["qkv_values_used"] + storage["o_values_used"] <= storage["attention_budget_values"]

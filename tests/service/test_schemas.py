@@ -85,6 +85,13 @@ def test_a_model_wide_allocation_is_for_ftc_only_and_stored_only_when_asked() ->
                for loc, msg in errors_of({**JOB_REQUEST, "allocation": "greedy"}))
     assert any("applies to method 'ftc' only" in msg
                for _, msg in errors_of({**JOB_REQUEST, "method": "svd_llm", "allocation": "global"}))
+    assert any("applies to method 'ftc' only" in msg
+               for _, msg in errors_of({**JOB_REQUEST, "method": "cp", "allocation": "global"}))
+    assert JobRequest.model_validate({**JOB_REQUEST, "method": "cp", "allocation": "sensitivity"}).method == "cp"
+    assert any("applies to method 'ftc' or 'cp' only" in msg
+               for _, msg in errors_of({**JOB_REQUEST, "method": "asvd", "allocation": "sensitivity"}))
+    assert any("at least 0.1 with allocation 'sensitivity'" in msg
+               for _, msg in errors_of({**JOB_REQUEST, "allocation": "sensitivity", "ratio": 0.05}))
 
 
 def test_upload_uris_are_accepted_as_datasets() -> None:
