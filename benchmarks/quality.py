@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/quality.py            # full grid (hours on 2 CPU cores)
     .venv/bin/python benchmarks/quality.py --part main --ratios 0.4
+    .venv/bin/python benchmarks/quality.py --part calibration --methods ftc svd_llm --ratios 0.4  # 128 x 512
 
 Every cell is compressed through the same `ftc.compress` entry point as the CLI, written as an
 artifact, reloaded from disk and evaluated, so the numbers are those of the checkpoint a user
@@ -44,8 +45,18 @@ TIME_TARGET = 2.0
 """FTC's compression time, in dense forward passes over the calibration tokens, to stay under."""
 
 
-def cell_key(method: str, ratio: float, ablation: str = "") -> str:
-    return f"{method}@{ratio}" + (f"+{ablation}" if ablation else "")
+CALIBRATION_SAMPLES = 32
+"""Calibration sequences (of 512 tokens) of every cell but those of `--part calibration`."""
+
+
+def cell_key(method: str, ratio: float, ablation: str = "", samples: int = CALIBRATION_SAMPLES) -> str:
+    return f"{method}@{ratio}" + (f"+{ablation}" if ablation else "") + (
+        f"#calib{samples}" if samples != CALIBRATION_SAMPLES else "")
+
+
+def _main_grid(cell: dict) -> bool:
+    """Whether a cell belongs to the main table: no ablation, the common calibration."""
+    return not cell["ablation"] and cell.get("calib_samples", CALIBRATION_SAMPLES) == CALIBRATION_SAMPLES
 
 
 def _clock(device: torch.device) -> float:
@@ -139,6 +150,7 @@ def run_cell(loaded, test_ids, options: CompressOptions, windows: int) -> dict:
                  options.method)
     return {
         "method": label, "ratio": options.ratio, "ablation": ",".join(options.ablate),
+        "calib_samples": options.calib_samples,
         "ppl": ev["ppl"], "windows": ev["windows"], "tokens": ev["tokens"],
         "compress_seconds": manifest["compress_seconds"],
         "qkv_values_used": manifest["storage"]["qkv_values_used"],
@@ -150,14 +162,14 @@ def run_cell(loaded, test_ids, options: CompressOptions, windows: int) -> dict:
 def render(results: dict) -> str:
     dense = results.get("dense")
     cells = results["cells"]
-    ratios = sorted({c["ratio"] for c in cells.values() if not c["ablation"]}, reverse=True)
+    ratios = sorted({c["ratio"] for c in cells.values() if _main_grid(c)}, reverse=True)
     lines = [f"# Quality: {LABEL}, WikiText-2 test perplexity", "",
              "![perplexity against rho](quality.png)", ""]
     if dense:
         lines += [f"Dense perplexity: **{dense['ppl']:.3f}** over the first {dense['windows']} windows of 512 "
                   f"tokens ({dense['tokens']} tokens). Calibration: {results['calibration']}.", ""]
     lines += ["| rho | " + " | ".join(METHODS) + " | FTC vs best published baseline | FTC vs per-matrix control "
-              "| FTC / dense |", "|---|" + "---|" * (len(METHODS) + 3)]
+              "| FTC / dense | best FTC allocation / dense |", "|---|" + "---|" * (len(METHODS) + 4)]
 
     def lower(ftc: dict | None, others: list[dict | None]) -> str:
         known = [c["ppl"] for c in others if c]
@@ -169,7 +181,11 @@ def render(results: dict) -> str:
         ftc = row["ftc"]
         published = lower(ftc, [row["svd_llm"], row["svd_llm_v2"], row["asvd"], row["svd"]])
         ratio = f"{ftc['ppl'] / dense['ppl']:.2f}x" if ftc and dense else "-"
-        lines.append(f"| {r} | " + " | ".join(vals) + f" | {published} | {lower(ftc, [row['per_matrix']])} | {ratio} |")
+        allocations = [c for m, c in row.items() if c and (m == "ftc" or VARIANTS.get(m, {}).get("method") == "ftc")]
+        best = min(allocations, key=lambda c: c["ppl"], default=None)
+        best_ratio = f"{best['ppl'] / dense['ppl']:.2f}x ({best['method']})" if best and dense else "-"
+        lines.append(f"| {r} | " + " | ".join(vals) + f" | {published} | {lower(ftc, [row['per_matrix']])} | {ratio} "
+                     f"| {best_ratio} |")
     abl = [c for c in cells.values() if c["ablation"]]
     if abl:
         lines += ["", "## FTC ablations (perplexity, change vs full FTC)", "",
@@ -181,6 +197,7 @@ def render(results: dict) -> str:
                 c, full = cells.get(cell_key("ftc", r, name)), cells.get(cell_key("ftc", r))
                 row.append(f"{c['ppl']:.2f} ({100 * (c['ppl'] / full['ppl'] - 1):+.1f}%)" if c and full else "-")
             lines.append(f"| {name} | " + " | ".join(row) + " |")
+    lines += _calibration_section(cells)
     for kind, t in results.get("timing", {}).items():
         runs = len(t["runs"])
         lines += ["", f"## Compression time ({kind}: {t['device']})", "",
@@ -201,10 +218,32 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _calibration_section(cells: dict) -> list[str]:
+    """Perplexity with more calibration data beside the main grid's, per method and rho."""
+    more = sorted({c["calib_samples"] for c in cells.values() if not _main_grid(c) and not c["ablation"]})
+    if not more:
+        return []
+    methods = [m for m in METHODS if any(c["method"] == m and not _main_grid(c) for c in cells.values())]
+    columns = [f"{m} ({n} x 512)" for m in methods for n in (CALIBRATION_SAMPLES, *more)]
+    lines = ["", "## More calibration data (perplexity; change against 32 x 512)", "",
+             "| rho | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for r in sorted({c["ratio"] for c in cells.values() if not _main_grid(c)}, reverse=True):
+        row = []
+        for m in methods:
+            base = cells.get(cell_key(m, r))
+            row.append(f"{base['ppl']:.2f}" if base else "-")
+            for n in more:
+                c = cells.get(cell_key(m, r, samples=n))
+                change = f" ({100 * (c['ppl'] / base['ppl'] - 1):+.1f}%)" if c and base else ""
+                row.append(f"{c['ppl']:.2f}{change}" if c else "-")
+        lines.append(f"| {r} | " + " | ".join(row) + " |")
+    return lines
+
+
 def plot(results: dict) -> bytes:
     """Perplexity against rho, one line per method, drawn by the sweep reports' plotter."""
     rows = [ResultRow(MODEL, c["method"], c["ratio"], "succeeded", perplexity={"wikitext2": c["ppl"]})
-            for c in results["cells"].values() if not c["ablation"]]
+            for c in results["cells"].values() if _main_grid(c)]
     dense = {MODEL: {"wikitext2": results["dense"]["ppl"]}} if "dense" in results else {}
     return render_plots(rows, dense, ["wikitext2"], "WikiText-2 test perplexity (seq 512)")["plot.png"]
 
@@ -212,13 +251,16 @@ def plot(results: dict) -> bytes:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", default="all",
-                        choices=["all", "main", "ablations", "timing", "render", "tasks", "structures"])
+                        choices=["all", "main", "ablations", "timing", "render", "tasks", "structures",
+                                 "calibration"])
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.8, 0.6, 0.4, 0.2])
     parser.add_argument("--ablation-ratios", type=float, nargs="*", default=[0.6, 0.2])
     parser.add_argument("--ablations", nargs="*", default=list(ABLATIONS), choices=ABLATIONS,
                         help="--part ablations: which FTC ablations (default: all)")
     parser.add_argument("--methods", nargs="*", default=list(METHODS))
     parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--calib-samples", type=int, default=128,
+                        help="--part calibration: calibration sequences of 512 tokens (the grid's: 32)")
     parser.add_argument("--out", type=Path, default=RESULTS / "quality.json")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="--part timing: where to compress and run the dense pass (recorded per device)")
@@ -236,7 +278,7 @@ def main() -> None:
         args.out.with_suffix(".md").write_text(render(results))
         args.out.with_suffix(".png").write_bytes(plot(results))
         return
-    base = CompressOptions(device="cpu", calib_samples=32, seq_len=512, seed=0)
+    base = CompressOptions(device="cpu", calib_samples=CALIBRATION_SAMPLES, seq_len=512, seed=0)
     results["calibration"] = "32 x 512 tokens of the WikiText-2 validation file, seed 0"
     source = resolve_model(base.model)
     model, tokenizer = load_model(source)
@@ -273,11 +315,14 @@ def main() -> None:
         jobs += [(m, r, "") for r in args.ratios for m in args.methods]
     if args.part in ("all", "ablations"):
         jobs += [("ftc", r, a) for r in args.ablation_ratios for a in args.ablations]
+    samples = args.calib_samples if args.part == "calibration" else CALIBRATION_SAMPLES
+    if args.part == "calibration":
+        jobs += [(m, r, "") for r in args.ratios for m in args.methods]
     for method, ratio, ablation in jobs:
-        key = cell_key(method, ratio, ablation)
+        key = cell_key(method, ratio, ablation, samples)
         if key in results["cells"] and results["cells"][key]["windows"] == args.windows:
             continue
-        opts = CompressOptions(**{**base.__dict__, "method": method, "ratio": ratio,
+        opts = CompressOptions(**{**base.__dict__, "method": method, "ratio": ratio, "calib_samples": samples,
                                   "ablate": (ablation,) if ablation else (), **VARIANTS.get(method, {})})
         results["cells"][key] = run_cell(loaded, test_ids, opts, args.windows)
         print(key, f"{results['cells'][key]['ppl']:.3f}", flush=True)
