@@ -220,14 +220,15 @@ def render(results: dict) -> str:
 
 def _calibration_section(cells: dict) -> list[str]:
     """Perplexity with more calibration data beside the main grid's, per method and rho."""
-    more = sorted({c["calib_samples"] for c in cells.values() if not _main_grid(c) and not c["ablation"]})
+    runs = [c for c in cells.values() if not c["ablation"] and not _main_grid(c)]
+    more = sorted({c["calib_samples"] for c in runs})
     if not more:
         return []
-    methods = [m for m in METHODS if any(c["method"] == m and not _main_grid(c) for c in cells.values())]
+    methods = [m for m in METHODS if any(c["method"] == m for c in runs)]
     columns = [f"{m} ({n} x 512)" for m in methods for n in (CALIBRATION_SAMPLES, *more)]
     lines = ["", "## More calibration data (perplexity; change against 32 x 512)", "",
              "| rho | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
-    for r in sorted({c["ratio"] for c in cells.values() if not _main_grid(c)}, reverse=True):
+    for r in sorted({c["ratio"] for c in runs}, reverse=True):
         row = []
         for m in methods:
             base = cells.get(cell_key(m, r))
@@ -311,13 +312,11 @@ def main() -> None:
         run_structures(loaded, test_ids, args.ratios, args.windows, out, results["dense"])
         return
     jobs = []
-    if args.part in ("all", "main"):
+    if args.part in ("all", "main", "calibration"):
         jobs += [(m, r, "") for r in args.ratios for m in args.methods]
     if args.part in ("all", "ablations"):
         jobs += [("ftc", r, a) for r in args.ablation_ratios for a in args.ablations]
     samples = args.calib_samples if args.part == "calibration" else CALIBRATION_SAMPLES
-    if args.part == "calibration":
-        jobs += [(m, r, "") for r in args.ratios for m in args.methods]
     for method, ratio, ablation in jobs:
         key = cell_key(method, ratio, ablation, samples)
         if key in results["cells"] and results["cells"][key]["windows"] == args.windows:
