@@ -83,11 +83,16 @@ class Moments:
     whole calibration set never has to sit in memory at once (the Gram is d x d, whatever n is).
     `gram_sum` holds only the blocks on and above the diagonal (`accumulate_gram`) until `gram`
     is first read; read the Gram through `gram`.
+
+    With `first_weight` w > 1, batches of shape `(sequences, positions, d)` count the row at the
+    first position of each sequence w times (in the sums and in `count`): FTC's weight on the
+    attention sink (ftc-method.md §3). Two-dimensional batches carry no positions and count once.
     """
 
     dim: int
     device: torch.device | str = "cpu"
     absolute: bool = False
+    first_weight: int = 1
     gram_sum: torch.Tensor = field(init=False)
     abs_sum: torch.Tensor | None = field(init=False)
     count: int = field(default=0, init=False)
@@ -100,11 +105,16 @@ class Moments:
     def update(self, x: torch.Tensor) -> None:
         if self.normalised:
             raise RuntimeError("Moments.update after .gram was read: the sum has been normalised in place")
-        rows = x.reshape(-1, self.dim)
-        accumulate_gram(self.gram_sum, rows)
+        self._add(x.reshape(-1, self.dim), 1)
+        if self.first_weight > 1 and x.dim() == 3:
+            self._add(x[:, 0], self.first_weight - 1)
+
+    def _add(self, rows: torch.Tensor, times: int) -> None:
+        """Count each of `rows` `times` times."""
+        accumulate_gram(self.gram_sum, rows if times == 1 else rows * math.sqrt(times))
         if self.abs_sum is not None:
-            self.abs_sum += rows.abs().sum(0, dtype=WORK_DTYPE).to(self.abs_sum.device)
-        self.count += rows.shape[0]
+            self.abs_sum += rows.abs().sum(0, dtype=WORK_DTYPE).to(self.abs_sum.device) * times
+        self.count += rows.shape[0] * times
 
     @property
     def gram(self) -> torch.Tensor:

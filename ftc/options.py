@@ -38,6 +38,7 @@ ABLATIONS: tuple[str, ...] = (
     "fixed_ranks",
     "kv_repeat",
     "wo_student_metric",
+    "no_sink",
 )
 """One-at-a-time removals of FTC components (ftc-method.md §3-§8)."""
 

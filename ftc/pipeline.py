@@ -292,7 +292,7 @@ def compress_layer(
     weights, biases = _weights(layer, layout)
     x = None
     if method.needs_data:
-        x = Moments(layout.hidden, stream.device, method.needs_abs_mean)
+        x = Moments(layout.hidden, stream.device, method.needs_abs_mean, method.first_weight)
         for h, kw in stream.batches():
             x.update(capture_input(layer, layout.q, h, kw))
     phases.lap("statistics")

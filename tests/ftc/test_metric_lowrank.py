@@ -34,6 +34,20 @@ def test_moments_match_direct_computation():
     torch.testing.assert_close(m.abs_mean, x.abs().mean(0))
 
 
+def test_the_first_position_counts_first_weight_times_in_every_sum():
+    """The definition: C = sum_t w_t x_t x_t^T / sum_t w_t, w = first_weight at position 0, else 1."""
+    weight, x = 7, _activations(6 * 20).reshape(6, 20, -1)
+    m = Moments(x.shape[-1], absolute=True, first_weight=weight)
+    for batch in x.split(4):
+        m.update(batch)
+    w = torch.ones(x.shape[:2], dtype=D)
+    w[:, 0] = weight
+    rows, w = x.reshape(-1, x.shape[-1]), w.reshape(-1, 1)
+    assert m.count == int(w.sum())
+    torch.testing.assert_close(m.gram, (w * rows).T @ rows / w.sum(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(m.abs_mean, (w * rows.abs()).sum(0) / w.sum())
+
+
 def test_whitened_error_equals_activation_weighted_error():
     x = _activations()
     n = x.shape[0]

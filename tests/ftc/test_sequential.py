@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ftc.arch import decoder_layers, get_module, layout_of, set_module
-from ftc.methods import make_method
+from ftc.methods import SINK_WEIGHT, make_method
 from ftc.options import ABLATIONS
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
@@ -56,7 +56,8 @@ def _run(ablations=(), layers: int = 2, ratio: float = 0.4):
 
 
 def _inputs(model, layout, index: int, name: str) -> torch.Tensor:
-    """Float64 rows of the input of submodule `name` of decoder layer `index` over the calibration set."""
+    """Float64 input of submodule `name` of decoder layer `index` over the calibration set,
+    `(sequences, positions, width)`."""
     seen: list[torch.Tensor] = []
     module = get_module(decoder_layers(model, layout)[index], name)
     handle = module.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
@@ -65,11 +66,15 @@ def _inputs(model, layout, index: int, name: str) -> torch.Tensor:
             model(input_ids=CALIB, use_cache=False)
     finally:
         handle.remove()
-    return seen[0].reshape(-1, seen[0].shape[-1]).to(D)
+    return seen[0].to(D)
 
 
-def _gram(rows: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
-    return rows.T @ (rows if other is None else other) / rows.shape[0]
+def _gram(x: torch.Tensor, other: torch.Tensor | None = None, first_weight: int = 1) -> torch.Tensor:
+    """`sum_t w_t x_t^T y_t / sum_t w_t` over all positions, `w_t = first_weight` at each sequence's first."""
+    w = torch.ones(x.shape[:2], dtype=D)
+    w[:, 0] = first_weight
+    rows, w = x.reshape(-1, x.shape[-1]), w.reshape(-1, 1)
+    return (w * rows).T @ (rows if other is None else other.reshape(rows.shape)) / w.sum()
 
 
 def _partly_compressed(compressed, layout, layers: int, below: int, qkv_of: int | None = None):
@@ -111,9 +116,11 @@ def test_the_qkv_gram_of_each_layer_comes_from_the_partly_compressed_model():
     compressed, layout, method = _run(layers=layers)
     original = tiny_model("gqa", layers=layers)
     for index in range(1, layers):
-        expected = _gram(_inputs(_partly_compressed(compressed, layout, layers, index), layout, index, layout.q))
-        assert _close(method.grams[index], expected), f"layer {index}: not the student stream's Gram"
-        assert not _close(method.grams[index], _gram(_inputs(original, layout, index, layout.q)))
+        x = _inputs(_partly_compressed(compressed, layout, layers, index), layout, index, layout.q)
+        assert _close(method.grams[index], _gram(x, first_weight=SINK_WEIGHT)), f"layer {index}: not the student Gram"
+        assert not _close(method.grams[index], _gram(x)), f"layer {index}: the first position is not weighted"
+        unshifted = _inputs(original, layout, index, layout.q)
+        assert not _close(method.grams[index], _gram(unshifted, first_weight=SINK_WEIGHT))
 
 
 def test_no_sequential_takes_the_qkv_gram_from_the_original_model():
@@ -121,7 +128,14 @@ def test_no_sequential_takes_the_qkv_gram_from_the_original_model():
     _, layout, method = _run(("no_sequential",), layers=layers)
     original = tiny_model("gqa", layers=layers)
     for index in range(layers):
-        assert _close(method.grams[index], _gram(_inputs(original, layout, index, layout.q)))
+        assert _close(method.grams[index], _gram(_inputs(original, layout, index, layout.q), first_weight=SINK_WEIGHT))
+
+
+def test_no_sink_counts_the_first_position_once():
+    layers = 2
+    compressed, layout, method = _run(("no_sink",), layers=layers)
+    x = _inputs(_partly_compressed(compressed, layout, layers, 1), layout, 1, layout.q)
+    assert _close(method.grams[1], _gram(x))
 
 
 def test_the_wo_contexts_come_from_the_student_input_with_compressed_and_original_qkv():
@@ -137,3 +151,21 @@ def test_the_wo_contexts_come_from_the_student_input_with_compressed_and_origina
         assert _close(ctx.cross / ctx.student.count, _gram(a_s, a_t)), f"layer {index}: cross context"
         assert not _close(ctx.teacher.gram, _gram(_inputs(original, layout, index, layout.o)))
         assert not _close(ctx.student.gram, ctx.teacher.gram)
+
+
+def test_the_sink_weight_buys_the_first_position_a_more_accurate_qkv():
+    """The assembled effect of the weight: layer 0's compressed Q/K/V (whose input is the same in
+    every model) reproduce the first position of each calibration sequence better than `no_sink`'s."""
+    original = tiny_model("gqa", layers=2)
+    layout = layout_of(original.config)
+    x = _inputs(original, layout, 0, layout.q).float()
+
+    def first_position_error(model) -> float:
+        layer, reference = decoder_layers(model, layout)[0], decoder_layers(original, layout)[0]
+        with torch.no_grad():
+            errors = [get_module(layer, name)(x)[:, 0] - get_module(reference, name)(x)[:, 0]
+                      for name in (layout.projections[p] for p in "qkv")]
+        return float(torch.cat(errors, -1).norm())
+
+    weighted, plain = first_position_error(_run()[0]), first_position_error(_run(("no_sink",))[0])
+    assert weighted < 0.7 * plain, (weighted, plain)
