@@ -191,12 +191,21 @@ def render(results: dict) -> str:
         lines += ["", "## FTC ablations (perplexity, change vs full FTC)", "",
                   "| ablation | " + " | ".join(f"rho {r}" for r in sorted({c['ratio'] for c in abl}, reverse=True))
                   + " |", "|---|" + "---|" * len({c["ratio"] for c in abl})]
+        earlier = set()
         for name in ABLATIONS:
             row = []
             for r in sorted({c["ratio"] for c in abl}, reverse=True):
-                c, full = cells.get(cell_key("ftc", r, name)), cells.get(cell_key("ftc", r))
-                row.append(f"{c['ppl']:.2f} ({100 * (c['ppl'] / full['ppl'] - 1):+.1f}%)" if c and full else "-")
+                c = cells.get(cell_key("ftc", r, name))
+                # a cell measured before a later default (`"before"`: the ablation that restores it)
+                # is set against the FTC of its time, which that ablation's cell reproduces
+                full = cells.get(cell_key("ftc", r, c["before"]) if c and c.get("before") else cell_key("ftc", r))
+                earlier |= {c["before"]} if c and c.get("before") else set()
+                mark = " *" if c and c.get("before") else ""
+                row.append(f"{c['ppl']:.2f} ({100 * (c['ppl'] / full['ppl'] - 1):+.1f}%{mark})" if c and full else "-")
             lines.append(f"| {name} | " + " | ".join(row) + " |")
+        for b in sorted(earlier):
+            lines += ["", f"\\* measured before the default changed (`{b}` restores the earlier one): the change is "
+                      f"against the FTC of that time, which the `{b}` row reproduces."]
     lines += _calibration_section(cells)
     for kind, t in results.get("timing", {}).items():
         runs = len(t["runs"])

@@ -9,7 +9,7 @@ import torch
 
 from ftc import lowrank, metric, sensitivity, tucker
 from ftc.compress import storage_dtype
-from ftc.methods import ANCHOR, METHOD_CLASSES, Method, make_method, register
+from ftc.methods import ANCHOR, METHOD_CLASSES, SINK_WEIGHT, Method, make_method, register
 from ftc.options import DTYPES, METHOD_DESCRIPTIONS, METHODS, InputError
 
 
@@ -56,6 +56,9 @@ def test_choices_are_the_defaults_the_code_runs_with():
     points = default(tucker.allocate, "grid_points")
     assert ftc["allocation_grid"].startswith(f"{points} x {points // 2} ")
     assert ftc["anchor"] == ANCHOR
+    assert ftc["sink_weight"] == SINK_WEIGHT == make_method("ftc", 0.5, torch.float16).first_weight
+    assert make_method("cp", 0.5, torch.float16).choices()["sink_weight"] == SINK_WEIGHT
+    assert make_method("svd_llm", 0.5, torch.float16).first_weight == 1  # the baselines as published
     assert make_method("svd_llm", 0.5, torch.float16).choices() == {
         k: ftc[k] for k in ("eps", "max_eps", "guard", "guard_tolerance")}
     asvd = make_method("asvd", 0.5, torch.float16).choices()
@@ -65,6 +68,7 @@ def test_choices_are_the_defaults_the_code_runs_with():
 
 
 def test_choices_follow_the_ablations():
-    ablated = make_method("ftc", 0.5, torch.float16, ("no_anchor", "fixed_ranks")).choices()
+    ablated = make_method("ftc", 0.5, torch.float16, ("no_anchor", "fixed_ranks", "no_sink")).choices()
     assert ablated["anchor"] == 0.0
+    assert ablated["sink_weight"] == 1
     assert "fixed ranks" in ablated["allocation_grid"]
