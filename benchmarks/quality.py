@@ -195,17 +195,18 @@ def render(results: dict) -> str:
         for name in ABLATIONS:
             row = []
             for r in sorted({c["ratio"] for c in abl}, reverse=True):
-                c = cells.get(cell_key("ftc", r, name))
+                c, full = cells.get(cell_key("ftc", r, name)), cells.get(cell_key("ftc", r))
                 # a cell measured before a later default (`"before"`: the ablation that restores it)
-                # is set against the FTC of its time, which that ablation's cell reproduces
-                full = cells.get(cell_key("ftc", r, c["before"]) if c and c.get("before") else cell_key("ftc", r))
+                # is set against the full FTC of its own run, kept with it as `reference_ppl`
+                reference = c["reference_ppl"] if c and c.get("before") else full["ppl"] if full else None
                 earlier |= {c["before"]} if c and c.get("before") else set()
                 mark = " *" if c and c.get("before") else ""
-                row.append(f"{c['ppl']:.2f} ({100 * (c['ppl'] / full['ppl'] - 1):+.1f}%{mark})" if c and full else "-")
+                change = f"{100 * (c['ppl'] / reference - 1):+.1f}%{mark}" if c and reference else ""
+                row.append(f"{c['ppl']:.2f} ({change})" if change else "-")
             lines.append(f"| {name} | " + " | ".join(row) + " |")
         for b in sorted(earlier):
             lines += ["", f"\\* measured before the default changed (`{b}` restores the earlier one): the change is "
-                      f"against the FTC of that time, which the `{b}` row reproduces."]
+                      f"against the full FTC of the same run, which the `{b}` row reproduces up to float rounding."]
     lines += _calibration_section(cells)
     for kind, t in results.get("timing", {}).items():
         runs = len(t["runs"])
