@@ -196,13 +196,13 @@ def render(results: dict) -> str:
             row = []
             for r in sorted({c["ratio"] for c in abl}, reverse=True):
                 c, full = cells.get(cell_key("ftc", r, name)), cells.get(cell_key("ftc", r))
-                # a cell measured before a later default (`"before"`: the ablation that restores it)
-                # is set against the full FTC of its own run, kept with it as `reference_ppl`
-                reference = c["reference_ppl"] if c and c.get("before") else full["ppl"] if full else None
-                earlier |= {c["before"]} if c and c.get("before") else set()
-                mark = " *" if c and c.get("before") else ""
-                change = f"{100 * (c['ppl'] / reference - 1):+.1f}%{mark}" if c and reference else ""
-                row.append(f"{c['ppl']:.2f} ({change})" if change else "-")
+                if c and c.get("before"):
+                    # measured before a later default (`before`: the ablation that restores it), so set
+                    # against the full FTC of its own run, kept with it as `reference_ppl`
+                    earlier.add(c["before"])
+                    row.append(f"{c['ppl']:.2f} ({100 * (c['ppl'] / c['reference_ppl'] - 1):+.1f}% *)")
+                else:
+                    row.append(f"{c['ppl']:.2f} ({100 * (c['ppl'] / full['ppl'] - 1):+.1f}%)" if c and full else "-")
             lines.append(f"| {name} | " + " | ".join(row) + " |")
         for b in sorted(earlier):
             lines += ["", f"\\* measured before the default changed (`{b}` restores the earlier one): the change is "
