@@ -474,7 +474,7 @@ def survey_layers(
             materialize(model, name, weights, device, compute_dtype)
         layer, at = layers[index], stream.at(index)
         original, _ = _weights(layer, layout)
-        x = Moments(layout.hidden, stream.device)
+        x = Moments(layout.hidden, stream.device, first_weight=method.first_weight)  # the metric compression uses
         energy, rows = 0.0, 0
         for h, kw in at.batches():
             x.update(capture_input(layer, layout.q, h, kw))

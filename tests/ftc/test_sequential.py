@@ -15,6 +15,7 @@ import torch
 from ftc.arch import decoder_layers, get_module, layout_of, set_module
 from ftc.methods import SINK_WEIGHT, make_method
 from ftc.options import ABLATIONS
+from ftc.pipeline import layer_inputs, survey_layers
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
 
@@ -169,3 +170,25 @@ def test_the_sink_weight_buys_the_first_position_a_more_accurate_qkv():
 
     weighted, plain = first_position_error(_run()[0]), first_position_error(_run(("no_sink",))[0])
     assert weighted < 0.7 * plain, (weighted, plain)
+
+
+def test_the_global_plan_surveys_in_the_metric_compression_uses():
+    """`--allocation global` plans from each original layer's Q/K/V Gram: weighted at the sink
+    like the Gram the layer is then compressed in, and once per row under `no_sink`."""
+    layers = 2
+    original = tiny_model("gqa", layers=layers)
+    layout = layout_of(original.config)
+    for ablations, weight in (((), SINK_WEIGHT), (("no_sink",), 1)):
+        method = make_method("ftc", 0.4, torch.float32, ablations, "global")
+        stream = layer_inputs(original, layout, CALIB, 4, torch.device("cpu"))
+        seen: list[torch.Tensor] = []
+
+        def recorded(w, x, *rest, seen=seen, survey=method.survey):
+            seen.append(x.gram.clone())
+            return survey(w, x, *rest)
+
+        method.survey = recorded
+        survey_layers(original, layout, method, stream, device=torch.device("cpu"), progress=False)
+        for index in range(layers):
+            assert _close(seen[index], _gram(_inputs(original, layout, index, layout.q), first_weight=weight)), (
+                ablations, index)
