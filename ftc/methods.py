@@ -105,6 +105,11 @@ class Method:
     needs_abs_mean = False  # per-channel mean |x| is gathered only for the methods that read it
     first_weight = 1  # times the first position of each sequence counts in the Q/K/V Gram (`SINK_WEIGHT`)
 
+    def qkv_moments(self, dim: int, device: torch.device | str) -> Moments:
+        """The empty accumulator of this method's Q/K/V statistics (sink weight, mean |x|): the one
+        place compression and a model-wide plan's survey both take it from, so the two measure alike."""
+        return Moments(dim, device, self.needs_abs_mean, self.first_weight)
+
     def qkv(self, weights: dict[str, torch.Tensor], x: Moments | None, layout: AttentionLayout):
         raise NotImplementedError
 

@@ -292,7 +292,7 @@ def compress_layer(
     weights, biases = _weights(layer, layout)
     x = None
     if method.needs_data:
-        x = Moments(layout.hidden, stream.device, method.needs_abs_mean, method.first_weight)
+        x = method.qkv_moments(layout.hidden, stream.device)
         for h, kw in stream.batches():
             x.update(capture_input(layer, layout.q, h, kw))
     phases.lap("statistics")
@@ -474,7 +474,7 @@ def survey_layers(
             materialize(model, name, weights, device, compute_dtype)
         layer, at = layers[index], stream.at(index)
         original, _ = _weights(layer, layout)
-        x = Moments(layout.hidden, stream.device, first_weight=method.first_weight)  # the metric compression uses
+        x = method.qkv_moments(layout.hidden, stream.device)
         energy, rows = 0.0, 0
         for h, kw in at.batches():
             x.update(capture_input(layer, layout.q, h, kw))
