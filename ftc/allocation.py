@@ -127,14 +127,16 @@ def lowrank_curve(unit: str, singular_values: torch.Tensor, rows: int, cols: int
     return Curve(unit, tuple(r * (rows + cols) for r in ranks), tuple(float(tail[r - 1]) for r in ranks), weight)
 
 
-def tucker_curve(tensor: torch.Tensor, whitening: Whitening, budgets: list[int], balance: bool = True) -> list[float]:
+def tucker_curve(tensor: torch.Tensor, whitening: Whitening, budgets: list[int], balance: bool = True,
+                 weights: torch.Tensor | None = None) -> list[float]:
     """Predicted relative error of the Q/K/V tensor at each budget, from one HOSVD (§6).
 
-    The allocator's own prediction (HOSVD factors, top-K core) in the whitened, balanced metric:
-    the refit of §7 only lowers it, by a similar fraction at every budget.
+    The allocator's own prediction (HOSVD factors, top-K core) in the whitened, balanced metric
+    with the compression's slice weights: the refit of §7 only lowers it, by a similar fraction at
+    every budget.
     """
     _, d, dh = tensor.shape
-    balanced, _ = whiten_and_balance(tensor, whitening, balance)
+    balanced, _ = whiten_and_balance(tensor, whitening, balance, weights)
     total = float(balanced.pow(2).sum()) or 1.0
     _, _, core = hosvd(balanced)
     return [allocate(core, total, b, d, dh).predicted_error / total for b in budgets]

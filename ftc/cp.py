@@ -266,16 +266,18 @@ def compress_cp(
     balance: bool = True,
     max_sweeps: int = MAX_SWEEPS,
     tolerance: float = TOLERANCE,
+    weights: torch.Tensor | None = None,
 ) -> tuple[CPFactors, CPReport]:
     """Whiten, balance, fit a budget-sized CP by ALS, then undo balancing and whitening.
 
-    `tensor` is `(S, d, dh)` in `(in, out)` layout per slice; `budget` counts stored values. The
+    `tensor` is `(S, d, dh)` in `(in, out)` layout per slice; `budget` counts stored values;
+    `weights` weigh the slices' shares of the objective as in FTC (`whiten_and_balance`). The
     ALS runs on the float32 tensor of `whiten_and_balance`, like FTC's refits; the reported error
     is measured in float64 on the returned factors. Each term's scale is split evenly over its
     three factors so all of them stay in 16-bit range.
     """
     slices, d, dh = tensor.shape
-    balanced, norms = whiten_and_balance(tensor, whitening, balance)
+    balanced, norms = whiten_and_balance(tensor, whitening, balance, weights)
     rank = min(cp_rank(budget, d, dh, slices), min(d, slices * dh) * min(dh, slices * d))
     fit = cp_als(balanced, rank, max_sweeps=max_sweeps, tolerance=tolerance)
     balanced = balanced.to(WORK_DTYPE)

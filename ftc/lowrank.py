@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .metric import DEFAULT_EPS, WORK_DTYPE, Whitening, damped_factors, guarded_fit
+from .metric import DEFAULT_EPS, WORK_DTYPE, Whitening, damped_factors, guarded_fit, relative_error
 
 
 def budget_rank(rows: int, cols: int, keep_ratio: float) -> int:
@@ -98,12 +98,14 @@ def weighted_error(
     approx: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     gram: torch.Tensor | None,
     balance: bool = False,
+    weights: torch.Tensor | None = None,
 ) -> float:
     """Relative activation-weighted error `sum_s a_s tr(dW_s^T C dW_s) / sum_s a_s tr(W_s^T C W_s)`.
 
     `w` is one matrix `(in, out)` or a stack of slices `(S, in, out)`; the identity metric if
     `gram` is None. `balance` weighs each slice by `a_s = 1 / tr(W_s^T C W_s)`, so every slice's
     relative error counts the same (the objective of slice balancing, §4); otherwise `a_s = 1`.
+    `weights` multiply `a_s` (`metric.relative_error`).
     `approx` is a tensor of `w`'s shape or, for one matrix, its factors `(A, B)`, multiplied out
     `COLUMNS` columns at a time: no d x d float64 product beside `w` (134 MB at width 4096).
     """
@@ -132,8 +134,7 @@ def weighted_error(
         else:
             energy += (part * (gram @ part)).sum((1, 2))
             err += (diff * (gram @ diff)).sum((1, 2))
-    weight = 1.0 / energy.clamp_min(torch.finfo(WORK_DTYPE).tiny) if balance else torch.ones_like(energy)
-    return float((weight * err).sum() / (weight * energy).sum())
+    return relative_error(err, energy, balance, weights)
 
 
 def eig_whitened_svd(w: torch.Tensor, gram: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

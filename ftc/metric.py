@@ -134,6 +134,20 @@ class Moments:
         return self.abs_sum / max(self.count, 1)
 
 
+def relative_error(err: torch.Tensor, energy: torch.Tensor, balance: bool, weights: torch.Tensor | None = None
+                   ) -> float:
+    """`sum_s a_s err_s / sum_s a_s energy_s` over slices: the objective of §4 from each slice's
+    error and energy in the activation metric.
+
+    `a_s = w_s / energy_s` with slice balancing (every slice's relative error counts `w_s` times),
+    `a_s = w_s` without; `w_s` are the slice weights (1 if None; FTC's key slices, §4).
+    """
+    share = 1.0 / energy.clamp_min(torch.finfo(energy.dtype).tiny) if balance else torch.ones_like(energy)
+    if weights is not None:
+        share = share * weights.to(share)
+    return float((share * err).sum() / (share * energy).sum())
+
+
 def damp(gram: torch.Tensor, eps: float) -> torch.Tensor:
     """`C + eps * mean(diag(C)) * I` (§3). A zero Gram is damped by `eps` alone."""
     scale = gram.diagonal().mean().clamp_min(torch.finfo(WORK_DTYPE).tiny)

@@ -39,6 +39,7 @@ ABLATIONS: tuple[str, ...] = (
     "kv_repeat",
     "wo_student_metric",
     "no_sink",
+    "no_key_weight",
 )
 """One-at-a-time removals of FTC components (ftc-method.md §3-§8)."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metric import WORK_DTYPE, Whitening
+from .metric import WORK_DTYPE, Whitening, relative_error
 
 MASK_UNIT_BITS = 16
 """The support mask is counted in units of one 16-bit stored value (§1)."""
@@ -422,7 +422,7 @@ class TuckerFactors:
 
 
 class SliceError:
-    """`lowrank.weighted_error(tensor, factors.weights(), gram, balance)`, a few slices at a time.
+    """`lowrank.weighted_error(tensor, factors.weights(), gram, balance, weights)`, a few slices at a time.
 
     The one-shot form holds five float64 copies of the whole tensor (the tensor, the
     reconstruction, the difference and two products with the Gram: 1 GB at width 4096); this one
@@ -430,8 +430,9 @@ class SliceError:
     so the slice energies `tr(W_s^T C W_s)` are computed once, on the first call.
     """
 
-    def __init__(self, tensor: torch.Tensor, gram: torch.Tensor | None, balance: bool) -> None:
-        self.tensor, self.balance = tensor, balance
+    def __init__(self, tensor: torch.Tensor, gram: torch.Tensor | None, balance: bool,
+                 weights: torch.Tensor | None = None) -> None:
+        self.tensor, self.balance, self.weights = tensor, balance, weights
         self.gram = None if gram is None else gram.to(WORK_DTYPE)
         self.energy: torch.Tensor | None = None
 
@@ -450,9 +451,7 @@ class SliceError:
                 energy[start:stop] = self._metric(w)
             err[start:stop] = self._metric(w - factors.weights(start, stop).to(WORK_DTYPE))
         self.energy = energy
-        tiny = torch.finfo(WORK_DTYPE).tiny
-        weight = 1.0 / energy.clamp_min(tiny) if self.balance else torch.ones_like(energy)
-        return float((weight * err).sum() / (weight * energy).sum())
+        return relative_error(err, energy, self.balance, self.weights)
 
 
 @dataclass(frozen=True)
@@ -468,22 +467,26 @@ class TuckerReport:
 
 
 def whiten_and_balance(
-    tensor: torch.Tensor, whitening: Whitening, balance: bool
+    tensor: torch.Tensor, whitening: Whitening, balance: bool, weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`R^T B_s / ||R^T B_s||_F` in float32 and the float64 slice norms (§3-§4).
+    """`sqrt(w_s) R^T B_s / ||R^T B_s||_F` in float32 and the float64 divisor of every slice (§3-§4).
 
+    `weights` (one per slice, 1 if None) multiply each slice's share of the objective: a slice
+    weighted `w` counts as `w` copies of itself (FTC's key slices, §4). The divisor is the slice's
+    norm (1 without balancing) over `sqrt(w_s)`; multiplying a slice's core by it undoes both.
     Whitening runs in float64 a few slices at a time, each chunk scaled and rounded to float32
     before the next is made, so the only full-size copy is the float32 result: the factor updates
     need no more (errors of interest are ~1e-3 relative), the badly conditioned metric does.
     """
     slices = tensor.shape[0]
     balanced = torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device)
-    norms = torch.ones(slices, dtype=WORK_DTYPE, device=tensor.device)
+    norms = (torch.ones(slices, dtype=WORK_DTYPE, device=tensor.device) if weights is None
+             else weights.to(dtype=WORK_DTYPE, device=tensor.device).rsqrt())
     for start in range(0, slices, GRAM_SLICES):
         chunk = tensor[start : start + GRAM_SLICES].to(WORK_DTYPE)
         white = whitening.apply(chunk.transpose(0, 1)).transpose(0, 1)
         if balance:
-            norms[start : start + GRAM_SLICES] = slice_norms(white)
+            norms[start : start + GRAM_SLICES] *= slice_norms(white)
         balanced[start : start + GRAM_SLICES] = white / norms[start : start + GRAM_SLICES, None, None]
     return balanced, norms
 
@@ -497,13 +500,15 @@ def compress_tensor(
     coupled: bool = True,
     steps: int = PRUNE_STEPS,
     refits: int = REFITS,
+    weights: torch.Tensor | None = None,
 ) -> tuple[TuckerFactors, TuckerReport]:
     """Whiten, balance, allocate, prune and refit, then undo balancing and whitening (§3-§7).
 
-    `tensor` is `(S, d, dh)` in `(in, out)` layout per slice; `budget` counts stored values.
+    `tensor` is `(S, d, dh)` in `(in, out)` layout per slice; `budget` counts stored values;
+    `weights` weigh the slices' shares of the objective (`whiten_and_balance`).
     """
     slices, d, dh = tensor.shape
-    balanced, norms = whiten_and_balance(tensor, whitening, balance)
+    balanced, norms = whiten_and_balance(tensor, whitening, balance, weights)
     total = squared_norm(balanced)
     ranks = hosvd_ranks(balanced)
     u1, u2, core = hosvd(balanced, reachable_r1(budget, d, dh))

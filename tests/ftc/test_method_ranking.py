@@ -55,3 +55,24 @@ def test_ftc_beats_svd_llm_beats_svd_at_rho_0_4():
     ftc, svd_llm, svd = (_output_error(m) for m in ("ftc", "svd_llm", "svd"))
     assert ftc < 0.9 * svd_llm, (ftc, svd_llm)
     assert svd_llm < 0.5 * svd, (svd_llm, svd)
+
+
+def test_ftc_counts_each_key_slice_once_per_query_head_it_serves():
+    """`KEY_WEIGHT` (§4): a key slice's weight is the size of its query group; queries and values
+    count once; nothing is weighted for MHA, under `kv_repeat` (whose copies already repeat keys and
+    values) or under `no_key_weight`."""
+    from ftc.methods import KEY_WEIGHT
+    from tests.support.tiny import tiny_config
+
+    ftc = make_method("ftc", 0.4, torch.float16)
+    for name, group in (("gqa", 2), ("mqa", 4)):
+        layout = layout_of(tiny_config(name))
+        weights = ftc.slice_weights(layout, 1)
+        assert weights is not None
+        expected = [1.0] * layout.heads + [float(group)] * layout.kv_heads + [1.0] * layout.kv_heads
+        assert weights.tolist() == expected
+        assert ftc.slice_weights(layout, group) is None
+        assert make_method("ftc", 0.4, torch.float16, ("no_key_weight",)).slice_weights(layout, 1) is None
+    assert ftc.slice_weights(layout_of(tiny_config("mha")), 1) is None
+    assert ftc.choices()["key_weight"] == KEY_WEIGHT
+    assert make_method("ftc", 0.4, torch.float16, ("no_key_weight",)).choices()["key_weight"] == 1

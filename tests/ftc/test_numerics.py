@@ -134,17 +134,19 @@ def test_hosvd_up_to_the_reachable_rank_is_the_leading_block_and_allocates_the_s
 
 @pytest.mark.parametrize("balance", [True, False])
 @pytest.mark.parametrize("metric", [True, False])
-def test_slice_error_equals_the_whole_tensor_weighted_error(balance, metric):
+@pytest.mark.parametrize("weighted", [True, False])
+def test_slice_error_equals_the_whole_tensor_weighted_error(balance, metric, weighted):
     g = torch.Generator().manual_seed(6)
     t = structured_tensor(slices=19).float()  # float32, the storage precision of a compressed layer
     x = torch.randn(300, 40, dtype=D, generator=g) * torch.linspace(3, 0.1, 40, dtype=D)
     gram = x.T @ x / 300 if metric else None
+    weights = torch.linspace(1, 5, 19, dtype=D) if weighted else None
     u1, u2, _ = hosvd(t.double())
     for r1, r2 in ((6, 3), (12, 5)):
         core = project_core(t.double(), u1[:, :r1], u2[:, :r2]).float()
         factors = TuckerFactors(u1[:, :r1], u2[:, :r2].float(), core, None)
-        expected = weighted_error(t, factors.weights(), gram, balance)
-        measure = SliceError(t, gram, balance)
+        expected = weighted_error(t, factors.weights(), gram, balance, weights)
+        measure = SliceError(t, gram, balance, weights)
         assert measure(factors) == pytest.approx(expected, rel=1e-12)
         assert measure(factors) == pytest.approx(expected, rel=1e-12)  # slice energies reused
 
