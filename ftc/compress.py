@@ -143,7 +143,9 @@ def compress(
         method = plan_budgets(method, weights, layout, calib, options, device, progress,
                               resident=None if loaded is None else loaded[0])
     temporary = work_dir is None
-    description = work_description(options, source, weights, calib)
+    # the method's fixed choices (sink and key weights, anchor...) too: layers written by a version
+    # that made other choices must not be mixed into this run's artifact
+    description = {**work_description(options, source, weights, calib), "choices": method.choices()}
     if method.budgets is not None:  # a changed plan must not resume another plan's layers
         description["plan"] = list(method.budgets)
     store = LayerStore(work_dir or out_dir.parent / f".{out_dir.name}.work-{os.getpid()}", description)

@@ -153,3 +153,18 @@ def test_joined_safetensors_hold_every_input_tensor_unchanged(tmp_path):
     assert joined.keys() == expected.keys()
     for name, tensor in expected.items():
         assert joined[name].dtype == tensor.dtype and torch.equal(joined[name], tensor), name
+
+
+def test_a_work_dir_is_not_resumed_by_a_method_with_other_fixed_choices(tiny_folder, tmp_path, monkeypatch):
+    """The fingerprint holds the method's fixed choices: checkpoints made with another key weight
+    (say, by an earlier version) are refused, not mixed into the artifact."""
+    from ftc.options import InputError
+
+    fields = dict(model=str(tiny_folder("gqa")), device="cpu", ratio=0.4, calib_samples=4, seq_len=32,
+                  dtype="float32")
+    work = tmp_path / "work"
+    compress(CompressOptions(**fields), tmp_path / "a", work_dir=work, progress=False)
+    assert compress(CompressOptions(**fields), tmp_path / "b", work_dir=work, progress=False)["resumed_from_layer"] == 2
+    monkeypatch.setattr("ftc.methods.KEY_WEIGHT", "once per key head")
+    with pytest.raises(InputError, match="different run"):
+        compress(CompressOptions(**fields), tmp_path / "c", work_dir=work, progress=False)
