@@ -159,9 +159,17 @@ def run_cell(loaded, test_ids, options: CompressOptions, windows: int) -> dict:
     }
 
 
+def _markers(cells: dict) -> dict[str, str]:
+    """A footnote marker per default that changed after some cells were measured (`before`: the
+    ablation that restores it), in name order: `*`, `†`, `‡`, `§`."""
+    names = sorted({c["before"] for c in cells.values() if c.get("before")})
+    return dict(zip(names, ("\\*", "†", "‡", "§"), strict=False))
+
+
 def render(results: dict) -> str:
     dense = results.get("dense")
     cells = results["cells"]
+    mark = _markers(cells)
     ratios = sorted({c["ratio"] for c in cells.values() if _main_grid(c)}, reverse=True)
     lines = [f"# Quality: {LABEL}, WikiText-2 test perplexity", "",
              "![perplexity against rho](quality.png)", ""]
@@ -175,9 +183,12 @@ def render(results: dict) -> str:
         known = [c["ppl"] for c in others if c]
         return f"{100 * (1 - ftc['ppl'] / min(known)):.1f}% lower" if ftc and known else "-"
 
+    stale = set()  # defaults changed since these main-table cells were measured
     for r in ratios:
         row = dict(zip(METHODS, (cells.get(cell_key(m, r)) for m in METHODS), strict=True))
-        vals = [f"{c['ppl']:.2f}" if c else "-" for c in row.values()]
+        vals = [f"{c['ppl']:.2f}{' ' + mark[c['before']] if c.get('before') else ''}" if c else "-"
+                for c in row.values()]
+        stale |= {c["before"] for c in row.values() if c and c.get("before")}
         ftc = row["ftc"]
         published = lower(ftc, [row["svd_llm"], row["svd_llm_v2"], row["asvd"], row["svd"]])
         ratio = f"{ftc['ppl'] / dense['ppl']:.2f}x" if ftc and dense else "-"
@@ -186,6 +197,9 @@ def render(results: dict) -> str:
         best_ratio = f"{best['ppl'] / dense['ppl']:.2f}x ({best['method']})" if best and dense else "-"
         lines.append(f"| {r} | " + " | ".join(vals) + f" | {published} | {lower(ftc, [row['per_matrix']])} | {ratio} "
                      f"| {best_ratio} |")
+    for b in sorted(stale):
+        lines += ["", f"{mark[b]} measured before the default changed (`{b}` restores the earlier one): that "
+                  "column ran without the change."]
     abl = [c for c in cells.values() if c["ablation"]]
     if abl:
         lines += ["", "## FTC ablations (perplexity, change vs full FTC)", "",
@@ -200,14 +214,15 @@ def render(results: dict) -> str:
                     # measured before a later default (`before`: the ablation that restores it), so set
                     # against the full FTC of its own run, kept with it as `reference_ppl`
                     earlier.add(c["before"])
-                    row.append(f"{c['ppl']:.2f} ({100 * (c['ppl'] / c['reference_ppl'] - 1):+.1f}% *)")
+                    change = 100 * (c["ppl"] / c["reference_ppl"] - 1)
+                    row.append(f"{c['ppl']:.2f} ({change:+.1f}% {mark[c['before']]})")
                 else:
                     row.append(f"{c['ppl']:.2f} ({100 * (c['ppl'] / full['ppl'] - 1):+.1f}%)" if c and full else "-")
             lines.append(f"| {name} | " + " | ".join(row) + " |")
         for b in sorted(earlier):
-            lines += ["", f"\\* measured before the default changed (`{b}` restores the earlier one): the change is "
-                      f"against the full FTC of the same run, which the `{b}` row reproduces up to float rounding."]
-    lines += _calibration_section(cells)
+            lines += ["", f"{mark[b]} measured before the default that `{b}` removes (and any later one): the change "
+                      f"is against the full FTC of the same run, which the `{b}` row reproduces up to float rounding."]
+    lines += _calibration_section(cells, mark)
     for kind, t in results.get("timing", {}).items():
         runs = len(t["runs"])
         lines += ["", f"## Compression time ({kind}: {t['device']})", "",
@@ -228,7 +243,7 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _calibration_section(cells: dict) -> list[str]:
+def _calibration_section(cells: dict, mark: dict[str, str]) -> list[str]:
     """Perplexity with more calibration data beside the main grid's, per method and rho."""
     runs = [c for c in cells.values() if not c["ablation"] and not _main_grid(c)]
     more = sorted({c["calib_samples"] for c in runs})
@@ -238,16 +253,24 @@ def _calibration_section(cells: dict) -> list[str]:
     columns = [f"{m} ({n} x 512)" for m in methods for n in (CALIBRATION_SAMPLES, *more)]
     lines = ["", "## More calibration data (perplexity; change against 32 x 512)", "",
              "| rho | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    earlier = set()
     for r in sorted({c["ratio"] for c in runs}, reverse=True):
         row = []
         for m in methods:
-            base = cells.get(cell_key(m, r))
-            row.append(f"{base['ppl']:.2f}" if base else "-")
-            for n in more:
-                c = cells.get(cell_key(m, r, samples=n))
-                change = f" ({100 * (c['ppl'] / base['ppl'] - 1):+.1f}%)" if c and base else ""
+            larger = [cells.get(cell_key(m, r, samples=n)) for n in more]
+            # a cell measured before a later default is set against the 32 x 512 run of its own code
+            old = next((c for c in larger if c and c.get("before")), None)
+            base = old["reference_ppl"] if old else cells.get(cell_key(m, r), {}).get("ppl")
+            if old:
+                earlier.add(old["before"])
+            row.append(f"{base:.2f}{' ' + mark[old['before']] if old else ''}" if base else "-")
+            for c in larger:
+                change = f" ({100 * (c['ppl'] / base - 1):+.1f}%)" if c and base else ""
                 row.append(f"{c['ppl']:.2f}{change}" if c else "-")
         lines.append(f"| {r} | " + " | ".join(row) + " |")
+    for b in sorted(earlier):
+        lines += ["", f"{mark[b]} both columns measured before the default changed (`{b}` restores the earlier one), "
+                  "with the code of that time; the main table's cells are newer."]
     return lines
 
 

@@ -66,8 +66,8 @@ moves one head's scores or output, and the calibrated `W_O` (§8) can absorb par
 error, never a score error (it acts after the softmax). So under GQA/MQA each key slice counts
 `Hq / Hkv` times, the objective of compressing the attention of every query head with its own
 copy of its key head, at the storage of one. On SmolLM2-135M-Instruct (3 query heads per key
-head) at rho 0.4: 41.65 perplexity against 43.00 unweighted; 2 and 6 measured 41.82 and 42.05,
-and weighting the value slices by 3 as well 43.57. 1 under `no_key_weight` (the paper's).
+head) at rho 0.4: 41.68 perplexity against 43.00 unweighted; 2 and 6 measured 41.82 and 42.05,
+and the value slices weighted 3 as well 43.57, weighted 0.5 42.13. 1 under `no_key_weight`.
 """
 
 ANCHOR = 0.5
