@@ -361,11 +361,17 @@ class FTC(Method):
     def first_weight(self) -> int:  # type: ignore[override]
         return 1 if "no_sink" in self.ablations else SINK_WEIGHT
 
+    @property
+    def key_weight(self) -> str | int:
+        """`KEY_WEIGHT` (§4), or 1 under `no_key_weight`: what the manifest records and what
+        `slice_weights` applies."""
+        return 1 if "no_key_weight" in self.ablations else KEY_WEIGHT
+
     def choices(self) -> dict:
         grid = f"{GRID_POINTS} x {GRID_POINTS // 2} coarse, step-halving refinement"
         return {**whitening_choices(), "prune_steps": PRUNE_STEPS, "refits": REFITS, "anchor": self.anchor,
                 "sink_weight": self.first_weight,
-                "key_weight": 1 if "no_key_weight" in self.ablations else KEY_WEIGHT,
+                "key_weight": self.key_weight,
                 "allocation_grid": "fixed ranks (ablation)" if "fixed_ranks" in self.ablations else grid}
 
     def slice_weights(self, layout: AttentionLayout, repeat: int) -> torch.Tensor | None:
@@ -373,7 +379,7 @@ class FTC(Method):
         slice, 1 for the others; None where all are 1 (MHA, `kv_repeat`'s repeated copies, which
         weigh both keys and values by repetition, and `no_key_weight`)."""
         group = layout.heads // layout.kv_heads
-        if group == 1 or repeat > 1 or "no_key_weight" in self.ablations:
+        if group == 1 or repeat > 1 or self.key_weight == 1:
             return None
         weights = torch.ones(layout.heads + 2 * layout.kv_heads, dtype=WORK_DTYPE)
         weights[layout.heads : layout.heads + layout.kv_heads] = group
@@ -539,7 +545,7 @@ class CP(FTC):
 
     def choices(self) -> dict:
         return {**whitening_choices(), "anchor": self.anchor, "sink_weight": self.first_weight,
-                "key_weight": KEY_WEIGHT, "als_max_sweeps": MAX_SWEEPS,
+                "key_weight": self.key_weight, "als_max_sweeps": MAX_SWEEPS,
                 "als_tolerance": TOLERANCE, "als_proximal": PROXIMAL,
                 "als_extrapolation_power": EXTRAPOLATION_POWER, "init": "hosvd heaviest core fibres"}
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from ftc.arch import decoder_layers, get_module, layout_of
-from ftc.methods import make_method
+from ftc.methods import KEY_WEIGHT, make_method
 from tests.support.pipeline import compress_model
-from tests.support.tiny import tiny_model
+from tests.support.tiny import tiny_config, tiny_model
 
 CALIB = torch.randint(0, 256, (8, 48), generator=torch.Generator().manual_seed(1))
 PROBE = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(2))
@@ -61,9 +61,6 @@ def test_ftc_counts_each_key_slice_once_per_query_head_it_serves():
     """`KEY_WEIGHT` (§4): a key slice's weight is the size of its query group; queries and values
     count once; nothing is weighted for MHA, under `kv_repeat` (whose copies already repeat keys and
     values) or under `no_key_weight`."""
-    from ftc.methods import KEY_WEIGHT
-    from tests.support.tiny import tiny_config
-
     ftc = make_method("ftc", 0.4, torch.float16)
     for name, group in (("gqa", 2), ("mqa", 4)):
         layout = layout_of(tiny_config(name))

@@ -15,6 +15,7 @@ import torch
 from ftc.arch import UnsupportedModel, layout_of
 from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, compress
+from ftc.options import InputError
 from tests.support.pipeline import compress_loaded
 from tests.support.tiny import tiny_model
 
@@ -158,8 +159,6 @@ def test_joined_safetensors_hold_every_input_tensor_unchanged(tmp_path):
 def test_a_work_dir_is_not_resumed_by_a_method_with_other_fixed_choices(tiny_folder, tmp_path, monkeypatch):
     """The fingerprint holds the method's fixed choices: checkpoints made with another key weight
     (say, by an earlier version) are refused, not mixed into the artifact."""
-    from ftc.options import InputError
-
     fields = dict(model=str(tiny_folder("gqa")), device="cpu", ratio=0.4, calib_samples=4, seq_len=32,
                   dtype="float32")
     work = tmp_path / "work"
