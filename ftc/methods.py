@@ -116,6 +116,8 @@ class Method:
     needs_student_context = False
     needs_abs_mean = False  # per-channel mean |x| is gathered only for the methods that read it
     first_weight = 1  # times the first position of each sequence counts in the Q/K/V Gram (`SINK_WEIGHT`)
+    layer_sensitivity: ClassVar[bool] = False
+    """Whether `--allocation sensitivity` plans this method from its own layer list (§15)."""
 
     def qkv_moments(self, dim: int, device: torch.device | str) -> Moments:
         """The empty accumulator of this method's Q/K/V statistics (sink weight, mean |x|): the one
@@ -143,15 +145,6 @@ class Method:
         """Whether the plan measures the whole model's loss (ASVD's rank search, `ftc.sensitivity`)
         instead of per-layer `survey`s: it then needs every layer resident at once."""
         return False
-
-    def sensitivity_probe(self) -> Method:
-        """The method whose truncations ASVD's sensitivity list measures (`ftc.sensitivity`): `asvd`
-        at this storage dtype, so every method planning from the list shares one measured list."""
-        return METHOD_CLASSES["asvd"](self.keep_ratio, self.storage_dtype)
-
-    def from_matrix_budgets(self, budgets: list[dict[str, int]], layout: AttentionLayout) -> list[dict]:
-        """This method's per-layer budgets from ASVD's per-matrix ones (`q`, `k`, `v`, `o`): as they are."""
-        return budgets
 
     def survey(self, weights: dict[str, torch.Tensor], x: Moments, ctx: ContextStats, residual: float,
                layout: AttentionLayout) -> dict:
@@ -342,6 +335,7 @@ class FTC(Method):
     """The full method: joint head-concat Tucker for Q/K/V (§2-§7), calibrated W_O (§8)."""
 
     needs_student_context = True  # W_O's target and, even under `no_wo_target`, its own metric use A_s
+    layer_sensitivity = True
 
     @property
     def stream(self) -> str:  # type: ignore[override]
@@ -469,17 +463,6 @@ class FTC(Method):
     @property
     def whole_model_plan(self) -> bool:
         return self.allocation == "sensitivity"
-
-    def from_matrix_budgets(self, budgets, layout):
-        """Layer totals from ASVD's plan, split between Q/K/V and `W_O` as `uniform` splits them (§15).
-
-        The list measures how much the model's loss moves when one matrix loses rank, which ranks
-        layers better than our `effect` estimate does; its split within a layer is ASVD's, made for
-        four separate SVDs, and measured worse than leaving the joint tensor to FTC (§15).
-        """
-        share = layout.qkv_params / (layout.qkv_params + layout.o_params)
-        totals = [sum(layer.values()) for layer in budgets]
-        return [{"qkv": int(total * share), "o": total - int(total * share)} for total in totals]
 
     def survey(self, weights, x, ctx, residual, layout):
         """Q/K/V curve from the allocator's prediction, W_O curve from its whitened spectrum (§13).

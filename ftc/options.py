@@ -67,6 +67,10 @@ ASVD_RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0
 """Parameter ratios ASVD's rank search measures per matrix (ASVD's list; ftc-method.md §11): the
 share of the matrix's values its two factors keep. The smallest is a floor for `asvd`'s `rho`."""
 
+LAYER_RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.15, 0.2, 0.3, 0.4, 0.55, 0.7, 0.9)
+"""Keep ratios at which `--allocation sensitivity` measures each layer's attention compressed alone
+(ftc-method.md §15), denser where the curves bend; the smallest is a floor for that allocation's `rho`."""
+
 ASVD_UNLISTED_RATIO = 1.0
 """Ratio of a matrix none of whose candidates is under the threshold (ASVD leaves it dense). The
 artifact stores every projection as two factors, so here it is the rank that fits all `m n` values."""
@@ -88,11 +92,13 @@ def method_ratio_problem(method: str, ratio: float, allocation: str = "uniform")
     if takers is not None and method not in takers:
         return (f"allocation {allocation!r} applies to method {' or '.join(repr(m) for m in takers)} only, "
                 f"not {method!r}; leave the allocation at 'uniform'")
-    smallest = min(ASVD_RATIO_CANDIDATES)
-    user = "asvd" if method == "asvd" else "allocation 'sensitivity'"
-    if (method == "asvd" or allocation == "sensitivity") and ratio < smallest:
-        return (f"ratio {ratio:g} is below the smallest ratio asvd's rank search measures ({smallest}); "
-                f"use a ratio of at least {smallest} with {user}")
+    if method == "asvd" or allocation == "sensitivity":
+        smallest = min(ASVD_RATIO_CANDIDATES if method == "asvd" else LAYER_RATIO_CANDIDATES)
+        search = "asvd's rank search" if method == "asvd" else "the sensitivity search"
+        user = "asvd" if method == "asvd" else "allocation 'sensitivity'"
+        if ratio < smallest:
+            return (f"ratio {ratio:g} is below the smallest ratio {search} measures ({smallest}); "
+                    f"use a ratio of at least {smallest} with {user}")
     return None
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from .allocation import Curve, choose
 from .arch import AttentionLayout, decoder_layers, get_module, projection_weights, set_module
 from .artifact import atomic_write_bytes
 from .data import ids_sha256
@@ -43,6 +44,7 @@ from .options import (
     ASVD_RATIO_CANDIDATES,
     ASVD_SENSITIVITY_SEQUENCES,
     ASVD_UNLISTED_RATIO,
+    LAYER_RATIO_CANDIDATES,
     InputError,
     method_ratio_problem,
 )
@@ -57,12 +59,15 @@ CACHE_ENV = "FTC_CACHE_DIR"
 
 @dataclass(frozen=True)
 class Sensitivity:
-    """The calibration perplexity of the model with one matrix replaced by its truncation at `ratio`."""
+    """The model's loss with one part of it compressed at `ratio`, the rest original: in ASVD's list,
+    one matrix (`proj`) truncated and the loss the calibration perplexity; in the layer list of
+    `--allocation sensitivity` (§15), one layer's whole attention (`proj` "attention") compressed by
+    the planning method and the loss the KL divergence from the original model's predictions."""
 
     layer: int
     proj: str
     ratio: float
-    perplexity: float
+    loss: float
 
 
 def threshold_ratios(entries: list[Sensitivity], sizes: dict[tuple[int, str], int], budget: int,
@@ -76,7 +81,7 @@ def threshold_ratios(entries: list[Sensitivity], sizes: dict[tuple[int, str], in
     that fits. ASVD's own loop ends on the last index it probed, which can overshoot its target by
     one entry; the largest feasible one never does.
     """
-    ranked = sorted(entries, key=lambda e: -e.perplexity)  # stable: ties keep the measuring order
+    ranked = sorted(entries, key=lambda e: -e.loss)  # stable: ties keep the measuring order
 
     def plan(start: int) -> dict[tuple[int, str], float]:
         ratios = dict.fromkeys(sizes, unlisted)
@@ -181,13 +186,11 @@ def cached_layer_inputs(model: nn.Module, layout: AttentionLayout, ids: torch.Te
     return cached
 
 
-@torch.no_grad()
-def loss_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: torch.Tensor, batch_size: int,
-                    inputs: list[torch.Tensor], device: torch.device) -> float:
-    """Mean next-token cross-entropy of the model on `ids`, with layers `0..start-1` replaced by the
-    cached input of layer `start` (`inputs`, one per batch): only the rest of the model runs."""
+def _logits_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: torch.Tensor, batch_size: int,
+                       inputs: list[torch.Tensor], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """`(ids, logits)` per batch of `ids`, with layers `0..start-1` replaced by the cached input of
+    layer `start` (`inputs`, one per batch): only the rest of the model runs."""
     layers = decoder_layers(model, layout)
-    total, count = 0.0, 0
     for batch, hidden in zip(range(0, ids.shape[0], batch_size), inputs, strict=True):
         chunk = ids[batch : batch + batch_size].to(device)
         h = hidden.to(device)
@@ -198,10 +201,47 @@ def loss_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: 
         finally:
             for layer in layers[:start]:
                 del layer.forward
+        yield chunk, logits
+
+
+@torch.no_grad()
+def loss_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: torch.Tensor, batch_size: int,
+                    inputs: list[torch.Tensor], device: torch.device) -> float:
+    """Mean next-token cross-entropy of the model on `ids`, running from layer `start` on its cached
+    input (`_logits_from_layer`)."""
+    total, count = 0.0, 0
+    for chunk, logits in _logits_from_layer(model, layout, start, ids, batch_size, inputs, device):
         total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="sum"))
         count += chunk[:, 1:].numel()
         del logits
     return total / count
+
+
+@torch.no_grad()
+def divergence_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: torch.Tensor, batch_size: int,
+                          inputs: list[torch.Tensor], reference: list[torch.Tensor], device: torch.device) -> float:
+    """Mean KL divergence per token of the model's next-token distribution from `reference` (the
+    original model's log-probabilities, one tensor per batch), running from layer `start` on its
+    cached input. Never negative, and zero only for the original predictions: unlike a difference
+    of perplexities, a small effect cannot come out with the wrong sign."""
+    total, count = 0.0, 0
+    for (chunk, logits), target in zip(_logits_from_layer(model, layout, start, ids, batch_size, inputs, device),
+                                       reference, strict=True):
+        log_probs = F.log_softmax(logits.float(), dim=-1)
+        total += float(F.kl_div(log_probs, target.to(device, torch.float32), reduction="sum", log_target=True))
+        count += chunk.numel()
+        del logits, log_probs
+    return total / count
+
+
+@torch.no_grad()
+def reference_log_probs(model: nn.Module, ids: torch.Tensor, batch_size: int, device: torch.device
+                        ) -> list[torch.Tensor]:
+    """The original model's next-token log-probabilities on `ids`, per batch, in float32 on the host
+    (4 x 512 tokens of a 49k vocabulary: 400 MB; float16 would move a layer's divergence by about
+    1e-5, a few tenths of a percent of the smallest ones measured on SmolLM2)."""
+    return [F.log_softmax(model(input_ids=ids[b : b + batch_size].to(device), use_cache=False).logits.float(),
+                          dim=-1).to("cpu") for b in range(0, ids.shape[0], batch_size)]
 
 
 class _Candidate(nn.Module):
@@ -271,6 +311,65 @@ def sensitivities(method: Method, model: nn.Module, layout: AttentionLayout, cal
     return entries
 
 
+def layer_sensitivities(method: Method, model: nn.Module, layout: AttentionLayout, calib: torch.Tensor, *,
+                        batch_size: int, progress: bool = True,
+                        ratios: tuple[float, ...] = LAYER_RATIO_CANDIDATES) -> list[Sensitivity]:
+    """The layer list of `--allocation sensitivity` (§15): for every ratio and every decoder layer,
+    that layer's attention alone compressed by `method` itself at that keep ratio, and the KL
+    divergence of the model's predictions from the original ones on the first
+    `ASVD_SENSITIVITY_SEQUENCES` calibration sequences.
+
+    Each ratio is one pass of the method over the original model's stream (`no_sequential`: the
+    layers before are original when the layer is measured); each compressed layer is measured and
+    its original projections put back before the next one is compressed, so the model is unchanged
+    afterwards.
+    """
+    from .pipeline import compress_layer, layer_inputs  # the pipeline's own layer step, not a copy
+
+    device = model.get_input_embeddings().weight.device
+    ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
+    inputs = cached_layer_inputs(model, layout, ids, batch_size, device)
+    reference = reference_log_probs(model, ids, batch_size, device)
+    layers = decoder_layers(model, layout)
+    names = sorted(set(layout.projections.values()))
+    entries = []
+    with tqdm(total=len(layers) * len(ratios), desc="layer sensitivity", unit="candidate",
+              disable=not progress) as bar:
+        for ratio in ratios:
+            probe = dataclasses.replace(method, keep_ratio=ratio, allocation="uniform", budgets=None,
+                                        ablations=method.ablations | {"no_sequential"})
+            stream = layer_inputs(model, layout, calib, batch_size, device)
+            for index, layer in enumerate(layers):
+                originals = {name: get_module(layer, name) for name in names}
+                try:
+                    compress_layer(layer, layout, probe, stream.at(index), torch.float32)
+                    loss = divergence_from_layer(model, layout, index, ids, batch_size, inputs[index], reference,
+                                                 device)
+                finally:
+                    for name, module in originals.items():
+                        set_module(layer, name, module)
+                entries.append(Sensitivity(index, "attention", ratio, loss))
+                bar.update()
+    return entries
+
+
+def layer_plan(entries: list[Sensitivity], layout: AttentionLayout, layers: int, rho: float) -> list[dict]:
+    """Per-layer `{"qkv", "o"}` budgets from the layer list (§15): one candidate ratio per layer,
+    least total divergence within `rho` times the attention of the whole model
+    (`ftc.allocation.choose`; divergences of separate layers are added, as for small effects they
+    do). A layer's ratio applies to its Q/K/V tensor and its `W_O` alike, the split `uniform` makes."""
+    loss = {(e.layer, e.ratio): e.loss for e in entries}
+    ratios = sorted({e.ratio for e in entries})
+    qkv, o = layout.qkv_params, layout.o_params
+    curves = [Curve(f"{i}", tuple(int(r * qkv) + int(r * o) for r in ratios), tuple(loss[i, r] for r in ratios))
+              for i in range(layers)]
+    try:
+        chosen = choose(curves, int(rho * layers * (qkv + o)))
+    except ValueError as error:
+        raise InputError(f"{error}; raise --ratio to at least {ratios[0]}") from None
+    return [{"qkv": int(ratios[i] * qkv), "o": int(ratios[i] * o)} for i in chosen]
+
+
 def cache_folder() -> Path | None:
     """Where measured sensitivity lists are kept between runs: `$FTC_CACHE_DIR` when set (set and
     empty: nowhere, every run measures), else `$XDG_CACHE_HOME/ftc`, else `~/.cache/ftc`."""
@@ -282,7 +381,7 @@ def cache_folder() -> Path | None:
 def sensitivity_file(folder: Path, method: Method, model: nn.Module, calib: torch.Tensor) -> Path:
     """The file in `folder` of the sensitivity list of this model, calibration and method, named by a
     digest of all the list depends on but rho: every weight and the configuration of the model, the
-    calibration ids, and the method's fixed choices. Content, not provenance: a model in memory, a
+    calibration ids, and the method with its fixed choices. Content, not provenance: a model in memory, a
     checkpoint rewritten in place with one of the same size and a new hub revision are told apart by
     what they hold. Hashing reads the model once, seconds against the search's hours."""
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
@@ -290,8 +389,10 @@ def sensitivity_file(folder: Path, method: Method, model: nn.Module, calib: torc
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy())
     digest.update(ids_sha256(calib).encode())
-    digest.update(json.dumps([method.choices(), str(method.storage_dtype)], sort_keys=True, default=str).encode())
-    return folder / "asvd-sensitivity" / f"{digest.hexdigest()}.json"
+    digest.update(json.dumps([method.name, method.choices(), str(method.storage_dtype)], sort_keys=True,
+                             default=str).encode())
+    kind = "layer-sensitivity" if method.layer_sensitivity else "asvd-sensitivity"
+    return folder / kind / f"{digest.hexdigest()}.json"
 
 
 def cached_sensitivities(path: Path | None, measure: Callable[[], list[Sensitivity]]) -> list[Sensitivity]:
@@ -311,26 +412,28 @@ def cached_sensitivities(path: Path | None, measure: Callable[[], list[Sensitivi
 
 def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, calib: torch.Tensor, *,
                    batch_size: int, progress: bool = True, cache: Path | None = None) -> Method:
-    """`method` with per-layer budgets from ASVD's rank search (§11): `asvd`'s per projection,
-    `--allocation sensitivity`'s per layer (`Method.from_matrix_budgets`, §15).
+    """`method` with budgets from a measured sensitivity list: `asvd`'s per projection from ASVD's
+    rank search (§11), `--allocation sensitivity`'s per layer from the method's own layer list
+    (`layer_sensitivities`, `layer_plan`, §15).
 
     The budget is `rho` times the attention parameters of the whole model, the accounting of
-    every model-wide plan (§13); matrix `p` of layer `l` gets `int(ratio * m n)` values.
-    Deterministic for the same model and calibration, so a resumed run plans the same budgets.
-    The list is measured with `asvd`'s truncations whichever method plans from it
-    (`Method.sensitivity_probe`), so both find one list in the cache: `cache` is the folder it is
-    kept in (`cached_sensitivities`), None for none.
+    every model-wide plan (§13). Deterministic for the same model and calibration, so a resumed
+    run plans the same budgets. Neither list depends on rho: `cache` is the folder it is kept in
+    (`cached_sensitivities`), None for none, so a second ratio plans without measuring again.
     """
     if problem := method_ratio_problem(method.name, method.keep_ratio, method.allocation):
         raise InputError(problem)
-    probe = method.sensitivity_probe()
     layers = len(decoder_layers(model, layout))
+    path = None if cache is None else sensitivity_file(cache, method, model, calib)
+    if method.layer_sensitivity:
+        entries = cached_sensitivities(path, lambda: layer_sensitivities(method, model, layout, calib,
+                                                                         batch_size=batch_size, progress=progress))
+        return dataclasses.replace(method, budgets=tuple(layer_plan(entries, layout, layers, method.keep_ratio)))
     heads = {"q": layout.heads, "k": layout.kv_heads, "v": layout.kv_heads, "o": layout.heads}
     sizes = {(i, p): layout.hidden * layout.head_dim * heads[p] for i in range(layers) for p in PARTS}
-    path = None if cache is None else sensitivity_file(cache, probe, model, calib)
-    entries = cached_sensitivities(path, lambda: sensitivities(probe, model, layout, calib,
+    entries = cached_sensitivities(path, lambda: sensitivities(method, model, layout, calib,
                                                                 batch_size=batch_size, progress=progress))
     total = int(method.keep_ratio * layers * (layout.qkv_params + layout.o_params))
     ratios = threshold_ratios(entries, sizes, total)
-    matrices = [{p: int(ratios[i, p] * sizes[i, p]) for p in PARTS} for i in range(layers)]
-    return dataclasses.replace(method, budgets=tuple(method.from_matrix_budgets(matrices, layout)))
+    return dataclasses.replace(method, budgets=tuple({p: int(ratios[i, p] * sizes[i, p]) for p in PARTS}
+                                                     for i in range(layers)))

@@ -1,0 +1,126 @@
+"""`--allocation sensitivity` (ftc-method.md §15): each layer's attention compressed alone by the
+method itself, the KL divergence it causes, and the plan made on those curves."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ftc import sensitivity
+from ftc.allocation import Curve, choose
+from ftc.arch import decoder_layers, get_module, layout_of, set_module
+from ftc.compress import CompressOptions, compress
+from ftc.methods import make_method
+from ftc.options import ASVD_SENSITIVITY_SEQUENCES, LAYER_RATIO_CANDIDATES, InputError
+from ftc.sensitivity import CACHE_ENV, Sensitivity, layer_plan, layer_sensitivities, search_budgets
+from tests.ftc.test_asvd_search import BATCH, CPU, _calibration, _confident
+from tests.support.pipeline import compress_model
+from tests.support.tiny import tiny_model
+
+
+def _divergence(reference, model, ids: torch.Tensor) -> float:
+    """Mean KL per token of `model`'s next-token distribution from `reference`'s, by the definition."""
+    with torch.no_grad():
+        p = F.log_softmax(reference(ids).logits.double(), -1)
+        q = F.log_softmax(model(ids).logits.double(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+@pytest.mark.parametrize(("layout_name", "method"), [("gqa", "ftc"), ("phi3", "ftc"), ("gemma3", "cp")])
+def test_each_entry_is_the_divergence_with_that_layer_alone_compressed(layout_name, method):
+    """Entry (l, p) against an independent route: the whole model compressed at p on the original
+    stream (`no_sequential`, so layer l's result does not depend on the layers before it), its layer
+    l attention alone put into the original model, and the KL computed from full forwards."""
+    model = _confident(layout_name)
+    layout = layout_of(model.config)
+    calib = _calibration(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ratios = (0.2, 0.6)
+    planner = make_method(method, 0.4, torch.float32, allocation="sensitivity")
+    entries = layer_sensitivities(planner, model, layout, calib, batch_size=BATCH, progress=False, ratios=ratios)
+    assert [(e.ratio, e.layer, e.proj) for e in entries] == list(itertools.product(ratios, range(3), ["attention"]))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "the search must leave the model as it was"
+    ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
+    block = layout.o.rpartition(".")[0]
+    for ratio in ratios:
+        compressed = copy.deepcopy(model)
+        ablations = ("no_sequential",) if method == "ftc" else ()
+        probe = make_method(method, ratio, torch.float32, ablations)
+        if method == "cp":  # CP takes no ablation flags by name; the same stream, set as the search sets it
+            probe = dataclasses.replace(probe, ablations=frozenset({"no_sequential"}))
+        compress_model(compressed, layout, probe, calib, device=CPU, batch_size=BATCH)
+        for index in range(3):
+            alone = copy.deepcopy(model)
+            set_module(decoder_layers(alone, layout)[index], block,
+                       get_module(decoder_layers(compressed, layout)[index], block))
+            [entry] = [e for e in entries if (e.layer, e.ratio) == (index, ratio)]
+            assert entry.loss == pytest.approx(_divergence(model, alone, ids), rel=1e-4, abs=1e-6), entry
+    assert min(e.loss for e in entries if e.ratio == 0.2) > min(e.loss for e in entries if e.ratio == 0.6)
+
+
+def test_the_plan_chooses_along_the_divergence_curves_within_the_budget():
+    """On a worked example: each layer's curve is its divergence at each candidate ratio, costing that
+    ratio of its Q/K/V tensor and of its `W_O`; the plan is the allocator's choice on those curves,
+    spends at most rho of the attention, and gives layer 1, ten times as sensitive, more."""
+    layout = layout_of(_confident("gqa").config)
+    qkv, o = layout.qkv_params, layout.o_params
+    ratios = (0.1, 0.3, 0.6)
+    scale = {0: 1.0, 1: 10.0, 2: 1.0}
+    entries = [Sensitivity(i, "attention", r, scale[i] * (1 - r) ** 2) for i in range(3) for r in ratios]
+    curves = [Curve(str(i), tuple(int(r * qkv) + int(r * o) for r in ratios),
+                    tuple(scale[i] * (1 - r) ** 2 for r in ratios)) for i in range(3)]
+    for rho in (0.1, 0.2, 0.3, 0.45, 0.6):
+        plan = layer_plan(entries, layout, 3, rho)
+        assert sum(b["qkv"] + b["o"] for b in plan) <= rho * 3 * (qkv + o)
+        expected = [ratios[i] for i in choose(curves, int(rho * 3 * (qkv + o)))]
+        assert plan == [{"qkv": int(r * qkv), "o": int(r * o)} for r in expected]
+        if 0.1 < rho < 0.6:
+            assert expected[1] > expected[0] and expected[1] > expected[2]
+    with pytest.raises(InputError, match=r"--ratio to at least 0\.1"):
+        layer_plan(entries, layout, 3, 0.05)
+
+
+@pytest.mark.parametrize("method", ["ftc", "cp"])
+def test_the_sensitivity_allocation_plans_from_its_own_kept_list(method, tiny_folder, tmp_path, monkeypatch):
+    """The manifest's budgets are `layer_plan` of the method's own layer list, kept in the cache and
+    read back at a second ratio without measuring again; the whole stays within rho of the attention."""
+    folder = tiny_folder("gqa", layers=3)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    fields = dict(model=str(folder), device="cpu", calib_samples=6, seq_len=32, dtype="float32", batch_size=4,
+                  method=method, allocation="sensitivity")
+    first = compress(CompressOptions(ratio=0.4, **fields), tmp_path / "a", progress=False)
+    [kept] = (tmp_path / "cache" / "layer-sensitivity").iterdir()
+    entries = [Sensitivity(**e) for e in json.loads(kept.read_text())["entries"]]
+    assert sorted({e.ratio for e in entries}) == list(LAYER_RATIO_CANDIDATES)
+    layout = layout_of(tiny_model("gqa", layers=3).config)
+    assert first["allocation"] == {"kind": "sensitivity", "layer_budgets": layer_plan(entries, layout, 3, 0.4)}
+
+    def measure(*args, **kwargs):
+        raise AssertionError("the layer list was measured a second time")
+
+    monkeypatch.setattr(sensitivity, "layer_sensitivities", measure)
+    second = compress(CompressOptions(ratio=0.2, **fields), tmp_path / "b", progress=False)
+    assert second["allocation"]["layer_budgets"] == layer_plan(entries, layout, 3, 0.2)
+    for manifest in (first, second):
+        storage = manifest["storage"]
+        assert storage["qkv_values_used"] + storage["o_values_used"] <= storage["attention_budget_values"]
+
+
+def test_a_ratio_below_the_smallest_layer_candidate_is_refused_before_any_work(monkeypatch):
+    model = _confident("gqa")
+
+    def measure(*args, **kwargs):
+        raise AssertionError("the layer list was measured")
+
+    monkeypatch.setattr(sensitivity, "layer_sensitivities", measure)
+    with pytest.raises(InputError, match=r"ratio 0\.05 is below .* at least 0\.1 with allocation 'sensitivity'"):
+        search_budgets(make_method("ftc", 0.05, torch.float16, allocation="sensitivity"), model,
+                       layout_of(model.config), torch.zeros(2, 8, dtype=torch.long), batch_size=BATCH,
+                       progress=False)
