@@ -93,8 +93,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="calibration sequences per forward; more is faster where memory allows")
     c.add_argument("--allocation", default="uniform", choices=ALLOCATIONS,
                    help="rho in every layer (uniform), one model-wide budget split by measured curves (global, "
-                        "ftc), or layer budgets from ASVD's measured sensitivity (sensitivity, ftc and cp; needs "
-                        "the whole model in memory for its plan)")
+                        "ftc), or layer budgets from the measured divergence of each layer compressed alone "
+                        "(sensitivity, ftc and cp; needs the whole model in memory for its plan)")
     c.add_argument("--out", help="artifact folder (written atomically)")
     c.add_argument("--work-dir", help="keep per-layer checkpoints here; re-running resumes from them")
     c.add_argument("--dry-run", action="store_true", help="print the plan (shapes, budgets, memory) and exit")

@@ -167,9 +167,9 @@ def plan_budgets(method: Method, weights, layout: AttentionLayout, calib: torch.
                  options: CompressOptions, device: torch.device, progress: bool,
                  resident: torch.nn.Module | None = None) -> Method:
     """The statistics pass of a model-wide budget (§13), one original layer resident at a time;
-    ASVD's rank search (§11), which `asvd` and `--allocation sensitivity` (§15) plan from, needs the
-    whole model instead (`resident`, when it is in memory already) and keeps its sensitivity list in
-    the cache folder (`ftc.sensitivity.cache_folder`).
+    the sensitivity lists of `asvd`'s rank search (§11) and of `--allocation sensitivity` (§15) need
+    the whole model instead (`resident`, when it is in memory already) and are kept in the cache
+    folder (`ftc.sensitivity.cache_folder`).
 
     Deterministic for the same model and calibration, so a resumed run plans the same budgets.
     """

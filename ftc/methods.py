@@ -41,6 +41,7 @@ from .options import (
     ASVD_RATIO_CANDIDATES,
     ASVD_SENSITIVITY_SEQUENCES,
     ASVD_UNLISTED_RATIO,
+    LAYER_RATIO_CANDIDATES,
     METHODS,
 )
 from .stored import cp_tensors, lowrank_tensors, tucker_tensors
@@ -105,7 +106,7 @@ class Method:
     ablations: frozenset[str] = field(default_factory=frozenset)
     allocation: str = "uniform"
     """`uniform`: every layer spends `keep_ratio` (the paper); `global`: a model-wide plan (§13);
-    `sensitivity`: layer budgets from ASVD's sensitivity list (§15)."""
+    `sensitivity`: layer budgets from the divergence each layer causes compressed alone (§15)."""
     budgets: tuple[dict, ...] | None = None
     """Per-layer stored-value budgets by part ("qkv", "o", or "q"/"k"/"v"), from `plan`."""
     layer_budget: dict | None = None
@@ -366,7 +367,16 @@ class FTC(Method):
         return {**whitening_choices(), "prune_steps": PRUNE_STEPS, "refits": REFITS, "anchor": self.anchor,
                 "sink_weight": self.first_weight,
                 "key_weight": self.key_weight,
-                "allocation_grid": "fixed ranks (ablation)" if "fixed_ranks" in self.ablations else grid}
+                "allocation_grid": "fixed ranks (ablation)" if "fixed_ranks" in self.ablations else grid,
+                **self.search_choices()}
+
+    def search_choices(self) -> dict:
+        """The settings of the layer list `--allocation sensitivity` plans from (§15), when it does."""
+        if self.allocation != "sensitivity":
+            return {}
+        return {"layer_sensitivity": {"ratio_candidates": list(LAYER_RATIO_CANDIDATES),
+                                      "sequences": ASVD_SENSITIVITY_SEQUENCES,
+                                      "loss": "KL divergence from the original model per token"}}
 
     def slice_weights(self, layout: AttentionLayout, repeat: int) -> torch.Tensor | None:
         """The weight of every slice of the head-concat tensor (`KEY_WEIGHT`): `Hq / Hkv` for a key
@@ -530,7 +540,8 @@ class CP(FTC):
         return {**whitening_choices(), "anchor": self.anchor, "sink_weight": self.first_weight,
                 "key_weight": self.key_weight, "als_max_sweeps": MAX_SWEEPS,
                 "als_tolerance": TOLERANCE, "als_proximal": PROXIMAL,
-                "als_extrapolation_power": EXTRAPOLATION_POWER, "init": "hosvd heaviest core fibres"}
+                "als_extrapolation_power": EXTRAPOLATION_POWER, "init": "hosvd heaviest core fibres",
+                **self.search_choices()}
 
     def qkv(self, weights, x, layout):
         tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim)

@@ -46,8 +46,8 @@ ABLATIONS: tuple[str, ...] = (
 ALLOCATION_METHODS: dict[str, tuple[str, ...]] = {"global": ("ftc",), "sensitivity": ("ftc", "cp")}
 """How `rho` is spread over layers, beyond `uniform` (the same in every layer, the paper, for every
 method), and the methods each applies to: `global`, one model-wide budget split by measured
-error-versus-budget curves (ftc-method.md §13); `sensitivity`, layer budgets from ASVD's measured
-end-to-end sensitivity list (§15)."""
+error-versus-budget curves (ftc-method.md §13); `sensitivity`, layer budgets from the KL
+divergence each layer's attention causes when the method compresses it alone (§15)."""
 ALLOCATIONS: tuple[str, ...] = ("uniform", *ALLOCATION_METHODS)
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -82,8 +82,8 @@ ASVD measures on 32 sequences of 2048 tokens; 4 keeps the `36 L` partial forward
 
 def method_ratio_problem(method: str, ratio: float, allocation: str = "uniform") -> str | None:
     """Why `method` under `allocation` cannot meet keep ratio `ratio`, else None: an allocation the
-    method does not take, or a ratio below the smallest candidate of ASVD's sensitivity list for
-    the two that plan from it (`asvd`, `--allocation sensitivity`).
+    method does not take, or a ratio below the smallest candidate of the sensitivity list it plans
+    from (ASVD's for `asvd`, the layer list for `--allocation sensitivity`).
 
     Checked where requests enter (CLI options, job and sweep schemas), so such a job is refused
     before it is queued instead of failing after its statistics pass.

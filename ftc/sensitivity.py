@@ -48,6 +48,7 @@ from .options import (
     InputError,
     method_ratio_problem,
 )
+from .pipeline import compress_layer, layer_inputs
 from .weights import WeightSource, materialize, skeleton
 
 if TYPE_CHECKING:
@@ -324,8 +325,6 @@ def layer_sensitivities(method: Method, model: nn.Module, layout: AttentionLayou
     its original projections put back before the next one is compressed, so the model is unchanged
     afterwards.
     """
-    from .pipeline import compress_layer, layer_inputs  # the pipeline's own layer step, not a copy
-
     device = model.get_input_embeddings().weight.device
     ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
     inputs = cached_layer_inputs(model, layout, ids, batch_size, device)

@@ -216,8 +216,8 @@ class JobRequest(_Strict):
         exclude_if=lambda value: value == "uniform",
         description="How rho is spent: 'uniform', the same keep ratio in every layer (the paper); "
         "'global', one budget for the whole attention stack split by measured error curves (method "
-        "'ftc'; ftc-method.md §13); 'sensitivity', layer budgets from ASVD's measured end-to-end "
-        "sensitivity (methods 'ftc' and 'cp'; §15).",
+        "'ftc'; ftc-method.md §13); 'sensitivity', layer budgets from the measured divergence of each "
+        "layer compressed alone (methods 'ftc' and 'cp'; §15).",
     )
     ratio: KeepRatio | None = Field(None, description="Keep ratio rho in (0, 1].")
     ratios: list[KeepRatio] | None = Field(None, min_length=1, max_length=MAX_RATIOS)

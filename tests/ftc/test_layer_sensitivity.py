@@ -20,6 +20,7 @@ from ftc.methods import make_method
 from ftc.options import ASVD_SENSITIVITY_SEQUENCES, LAYER_RATIO_CANDIDATES, InputError
 from ftc.sensitivity import CACHE_ENV, Sensitivity, layer_plan, layer_sensitivities, search_budgets
 from tests.ftc.test_asvd_search import BATCH, CPU, _calibration, _confident
+from tests.ftc.test_registry import default
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
 
@@ -124,3 +125,12 @@ def test_a_ratio_below_the_smallest_layer_candidate_is_refused_before_any_work(m
         search_budgets(make_method("ftc", 0.05, torch.float16, allocation="sensitivity"), model,
                        layout_of(model.config), torch.zeros(2, 8, dtype=torch.long), batch_size=BATCH,
                        progress=False)
+
+
+@pytest.mark.parametrize("method", ["ftc", "cp"])
+def test_the_manifest_records_the_layer_search_only_where_it_plans(method):
+    planned = make_method(method, 0.4, torch.float16, allocation="sensitivity").choices()["layer_sensitivity"]
+    assert planned["ratio_candidates"] == list(LAYER_RATIO_CANDIDATES)
+    assert planned["ratio_candidates"] == list(default(layer_sensitivities, "ratios"))
+    assert planned["sequences"] == ASVD_SENSITIVITY_SEQUENCES
+    assert "layer_sensitivity" not in make_method(method, 0.4, torch.float16).choices()
