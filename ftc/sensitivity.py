@@ -1,9 +1,15 @@
-"""ASVD's sensitivity-based truncation-rank search (ftc-method.md §11 `asvd`; Yuan et al. 2023, STRS).
+"""Budgets from measured sensitivity: ASVD's rank search and the layer list of `--allocation sensitivity`.
 
-For every attention projection and every candidate parameter ratio `p`, the projection alone is
-replaced by its ASVD truncation at rank `floor(p m n / (m + n))` and the model's perplexity on a
-few calibration sequences is measured; a perplexity threshold is then searched so that every
-matrix takes the smallest `p` whose perplexity stays under it, within the model-wide budget.
+ASVD's sensitivity-based truncation-rank search (ftc-method.md §11 `asvd`; Yuan et al. 2023,
+STRS): for every attention projection and every candidate parameter ratio `p`, the projection
+alone is replaced by its ASVD truncation at rank `floor(p m n / (m + n))` and the model's
+perplexity on a few calibration sequences is measured; a perplexity threshold is then searched so
+that every matrix takes the smallest `p` whose perplexity stays under it, within the model-wide
+budget.
+
+The layer list (§15): for every candidate keep ratio, each layer's attention alone compressed by
+the planning method (FTC or CP) and the KL divergence of the model's predictions from the original
+ones; one ratio per layer is then chosen for the least summed divergence within the budget.
 
 The loss of the whole model is needed per candidate, so the search holds the whole model in
 memory, as ASVD's does. It is cheap where it can be: each decoder layer's input on the
@@ -11,7 +17,7 @@ sensitivity sequences is computed once, and a candidate in layer `l` runs only l
 the final norm and the head (the model's own forward, with the layers before `l` handing on the
 cached hidden state).
 
-The sensitivity list depends on the model, the calibration and the method's fixed choices, not on
+Either list depends on the model, the calibration and the method's fixed choices, not on
 rho, so it is kept on disk (`cache_folder`) and a second ratio, a resumed run or a sweep over rho
 reuses it: the search is paid once per model and calibration, not once per ratio.
 """
