@@ -4,6 +4,7 @@ compression time. The `structures` part of `benchmarks/quality.py`, also runnabl
     .venv/bin/python benchmarks/structures.py --ratios 0.4 0.2
     .venv/bin/python benchmarks/structures.py --render
     .venv/bin/python benchmarks/structures.py --layer-errors 0 10 20 29 --ratios 0.4 0.2
+    .venv/bin/python benchmarks/structures.py --allocation sensitivity --ratios 0.4 0.2
 
 Same calibration and evaluation as the main table (32 x 512 WikiText-2 validation tokens, seed 0;
 WikiText-2 test, seq 512, 64 windows). Each cell goes through `ftc.compress`, is written as an
@@ -37,8 +38,8 @@ STRUCTURES = {"ftc": "error_refit", "cp": "error_fit"}
 SHAPE_KEYS = {"ftc": ("r1", "r2", "K"), "cp": ("R", "sweeps", "extrapolated")}
 
 
-def cell_key(method: str, ratio: float) -> str:
-    return f"{method}@{ratio}"
+def cell_key(method: str, ratio: float, allocation: str = "uniform") -> str:
+    return f"{method}@{ratio}" + ("" if allocation == "uniform" else f"/{allocation}")
 
 
 def run_cell(loaded, test_ids, options: CompressOptions, windows: int) -> dict:
@@ -48,7 +49,8 @@ def run_cell(loaded, test_ids, options: CompressOptions, windows: int) -> dict:
         ev = perplexity(model, test_ids, 512, windows, progress=False)
     method = options.method
     return {
-        "method": method, "ratio": options.ratio, "ppl": ev["ppl"], "windows": ev["windows"],
+        "method": method, "ratio": options.ratio, "allocation": options.allocation, "ppl": ev["ppl"],
+        "windows": ev["windows"],
         "compress_seconds": manifest["compress_seconds"],
         "qkv_seconds": sum(layer.get("phase_seconds", {}).get("qkv", 0.0) for layer in manifest["layers"]),
         "qkv_values_used": manifest["storage"]["qkv_values_used"],
@@ -154,6 +156,21 @@ def render(results: dict) -> str:
             lines.append(f"| {r['layer']} | {r['ratio']} | {r['budget']} | ({t['r1']}, {t['r2']}, {t['K']}) | "
                          f"{t['values']} | {t['error']:.4f} | {t['seconds']:.1f} | {c['R']} | {c['values']} | "
                          f"{c['sweeps']} | {c['error_init']:.4f} | {c['error']:.4f} | {c['seconds']:.1f} |")
+    planned = sorted({c["ratio"] for c in cells.values() if c.get("allocation") == "sensitivity"}, reverse=True)
+    if planned:
+        lines += ["", "## Both with layer budgets from measured sensitivity (`--allocation sensitivity`)", "",
+                  "Each method plans from its own layer list (ftc-method.md §15): every layer's attention compressed "
+                  "alone by that method at each candidate ratio, the KL divergence from the original predictions.", "",
+                  "| rho | FTC ppl | CP ppl | CP against FTC | FTC uniform | CP uniform |", "|---|---|---|---|---|---|"]
+        for r in planned:
+            f, c = cells.get(cell_key("ftc", r, "sensitivity")), cells.get(cell_key("cp", r, "sensitivity"))
+            fu, cu = cells.get(cell_key("ftc", r)), cells.get(cell_key("cp", r))
+
+            def ppl(cell: dict | None) -> str:
+                return f"{cell['ppl']:.2f}" if cell else "-"
+
+            change = f"{100 * (c['ppl'] / f['ppl'] - 1):+.1f}%" if f and c else "-"
+            lines.append(f"| {r} | {ppl(f)} | {ppl(c)} | {change} | {ppl(fu)} | {ppl(cu)} |")
     if results.get("notes"):
         lines += ["", "## What the numbers say", "", results["notes"]]
     lines += ["", "Each cell: `ftc.compress` -> artifact on disk -> reloaded -> evaluated. Each method's layer "
@@ -162,8 +179,9 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run(loaded, test_ids, ratios: list[float], windows: int, out: Path, dense: dict | None = None) -> dict:
-    """Fill `out` (JSON) with the FTC and CP cells at `ratios`, saving after each cell."""
+def run(loaded, test_ids, ratios: list[float], windows: int, out: Path, dense: dict | None = None,
+        allocation: str = "uniform") -> dict:
+    """Fill `out` (JSON) with the FTC and CP cells at `ratios` under `allocation`, saving after each cell."""
     results = json.loads(out.read_text()) if out.exists() else {"cells": {}}
     results["calibration"] = "32 x 512 tokens of the WikiText-2 validation file, seed 0"
     results["machine"] = f"CPU, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores (shared)"
@@ -178,10 +196,10 @@ def run(loaded, test_ids, ratios: list[float], windows: int, out: Path, dense: d
     base = CompressOptions(device="cpu", calib_samples=32, seq_len=512, seed=0)
     for ratio in ratios:
         for method in STRUCTURES:
-            key = cell_key(method, ratio)
+            key = cell_key(method, ratio, allocation)
             if key in results["cells"] and results["cells"][key]["windows"] == windows:
                 continue
-            opts = CompressOptions(**{**base.__dict__, "method": method, "ratio": ratio})
+            opts = CompressOptions(**{**base.__dict__, "method": method, "ratio": ratio, "allocation": allocation})
             results["cells"][key] = run_cell(loaded, test_ids, opts, windows)
             print(key, f"{results['cells'][key]['ppl']:.3f}", flush=True)
             save()
@@ -196,6 +214,8 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only re-render the markdown from the JSON")
     parser.add_argument("--layer-errors", type=int, nargs="*", default=None, metavar="LAYER",
                         help="only the per-layer fits of these layers in the original model's metric")
+    parser.add_argument("--allocation", choices=["uniform", "sensitivity"], default="uniform",
+                        help="how both methods spread rho over the layers (ftc-method.md §15)")
     parser.add_argument("--out", type=Path, default=RESULTS / "structures.json")
     args = parser.parse_args()
     if args.render:
@@ -220,7 +240,7 @@ def main() -> None:
     dense = json.loads(quality.read_text()).get("dense") if quality.exists() else None
     if dense is None or dense["windows"] != args.windows:
         dense = perplexity(model, test_ids, 512, args.windows, progress=False)
-    run((model, tokenizer, source), test_ids, args.ratios, args.windows, args.out, dense)
+    run((model, tokenizer, source), test_ids, args.ratios, args.windows, args.out, dense, args.allocation)
 
 
 if __name__ == "__main__":
