@@ -162,13 +162,13 @@ def render(results: dict) -> str:
                   "Each method plans from its own layer list (ftc-method.md §15): every layer's attention compressed "
                   "alone by that method at each candidate ratio, the KL divergence from the original predictions.", "",
                   "| rho | FTC ppl | CP ppl | CP against FTC | FTC uniform | CP uniform |", "|---|---|---|---|---|---|"]
+
+        def ppl(cell: dict | None) -> str:
+            return f"{cell['ppl']:.2f}" if cell else "-"
+
         for r in planned:
             f, c = cells.get(cell_key("ftc", r, "sensitivity")), cells.get(cell_key("cp", r, "sensitivity"))
             fu, cu = cells.get(cell_key("ftc", r)), cells.get(cell_key("cp", r))
-
-            def ppl(cell: dict | None) -> str:
-                return f"{cell['ppl']:.2f}" if cell else "-"
-
             change = f"{100 * (c['ppl'] / f['ppl'] - 1):+.1f}%" if f and c else "-"
             lines.append(f"| {r} | {ppl(f)} | {ppl(c)} | {change} | {ppl(fu)} | {ppl(cu)} |")
     if results.get("notes"):

@@ -241,16 +241,6 @@ def divergence_from_layer(model: nn.Module, layout: AttentionLayout, start: int,
     return total / count
 
 
-@torch.no_grad()
-def reference_log_probs(model: nn.Module, ids: torch.Tensor, batch_size: int, device: torch.device
-                        ) -> list[torch.Tensor]:
-    """The original model's next-token log-probabilities on `ids`, per batch, in float32 on the host
-    (4 x 512 tokens of a 49k vocabulary: 400 MB; float16 would move a layer's divergence by about
-    1e-5, a few tenths of a percent of the smallest ones measured on SmolLM2)."""
-    return [F.log_softmax(model(input_ids=ids[b : b + batch_size].to(device), use_cache=False).logits.float(),
-                          dim=-1).to("cpu") for b in range(0, ids.shape[0], batch_size)]
-
-
 class _Candidate(nn.Module):
     """A projection's dense weight during one measurement; the original module is put back after."""
 
@@ -334,7 +324,12 @@ def layer_sensitivities(method: Method, model: nn.Module, layout: AttentionLayou
     device = model.get_input_embeddings().weight.device
     ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
     inputs = cached_layer_inputs(model, layout, ids, batch_size, device)
-    reference = reference_log_probs(model, ids, batch_size, device)
+    # the original predictions, through the same partial-forward path as every candidate (from layer 0), in
+    # float32 on the host (4 x 512 tokens of a 49k vocabulary: 400 MB; float16 would move a layer's divergence
+    # by about 1e-5, a few tenths of a percent of the smallest ones measured on SmolLM2)
+    with torch.no_grad():
+        reference = [F.log_softmax(logits.float(), dim=-1).to("cpu")
+                     for _, logits in _logits_from_layer(model, layout, 0, ids, batch_size, inputs[0], device)]
     layers = decoder_layers(model, layout)
     names = sorted(set(layout.projections.values()))
     entries = []

@@ -187,16 +187,22 @@ def test_the_search_stays_within_rho_of_the_attention_parameters():
     assert len(set(ranks)) > 2, "the search should not give every matrix of a shape the same rank"
 
 
-def test_a_ratio_below_the_smallest_candidate_is_refused_before_any_work(monkeypatch):
+@pytest.mark.parametrize(("method", "allocation", "search", "user"), [
+    ("asvd", "uniform", "sensitivities", "asvd"),  # ASVD's per-matrix list
+    ("ftc", "sensitivity", "layer_sensitivities", "allocation 'sensitivity'"),  # the layer list (§15)
+])
+def test_a_ratio_below_the_smallest_candidate_is_refused_before_any_work(method, allocation, search, user,
+                                                                         monkeypatch):
     model = tiny_model("gqa")
 
     def measure(*args, **kwargs):
         raise AssertionError("the sensitivity pass ran")
 
-    monkeypatch.setattr(sensitivity, "sensitivities", measure)
-    with pytest.raises(InputError, match=r"ratio 0\.05 is below .* at least 0\.1 with asvd"):
-        search_budgets(make_method("asvd", 0.05, torch.float16), model, layout_of(model.config),
-                       torch.zeros(2, 8, dtype=torch.long), batch_size=BATCH, progress=False)
+    monkeypatch.setattr(sensitivity, search, measure)
+    with pytest.raises(InputError, match=rf"ratio 0\.05 is below .* at least 0\.1 with {user}"):
+        search_budgets(make_method(method, 0.05, torch.float16, allocation=allocation), model,
+                       layout_of(model.config), torch.zeros(2, 8, dtype=torch.long), batch_size=BATCH,
+                       progress=False)
     with pytest.raises(InputError, match=r"^--ratio 0\.05 is below"):  # the CLI's options, before loading
         CompressOptions(model="smollm2-135m", method="asvd", ratio=0.05).validate()
     with pytest.raises(InputError, match=r"^--ratio 0\.05 is below .* with --allocation 'sensitivity'"):
