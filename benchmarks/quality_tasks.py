@@ -5,8 +5,10 @@ PIQA, BoolQ, MathQA and their average, "avg6").
 Each cell is compressed with `ftc.compress`, written as an artifact, reloaded from disk in its
 factorized form and scored by lm-eval on the `ftc_<task>` configs (`ftc.downstream`). Every row
 uses the same `--limit` (the first N documents of each task); the standard error of each score is
-lm-eval's, and that of avg6 combines the six as independent estimates. Finished cells are kept in
-the JSON and skipped on re-runs with the same limit, so an interrupted run resumes.
+lm-eval's, and that of avg6 combines the six as independent estimates. Each cell also keeps its
+per-document scores, so the gaps to dense and to FTC at the same ratio are paired differences on
+the same documents, with their (much smaller) paired standard error. Finished cells are kept in the
+JSON and skipped on re-runs with the same limit, so an interrupted run resumes.
 Writes benchmarks/results/tasks.{json,md}.
 """
 
@@ -23,7 +25,7 @@ from typing import Any
 
 from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, compress
-from ftc.downstream import evaluate_tasks
+from ftc.downstream import evaluate_tasks, paired_difference
 from ftc.tasks import AVG6
 
 COLUMNS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwag", "piqa": "PIQA",
@@ -32,7 +34,7 @@ COLUMNS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwa
 
 def score_cell(model, tokenizer, limit: int | None, batch_size: int) -> dict[str, Any]:
     started = time.perf_counter()
-    scores = evaluate_tasks(model, tokenizer, AVG6, limit=limit, batch_size=batch_size)
+    scores = evaluate_tasks(model, tokenizer, AVG6, limit=limit, batch_size=batch_size, per_document=True)
     return {**scores, "eval_seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -51,8 +53,20 @@ def _percent(value: float | None, stderr: float | None) -> str:
     return f"{100 * value:.1f}" + ("" if stderr is None else f" ±{100 * stderr:.1f}")
 
 
+def _gap(cell: dict[str, Any], reference: dict[str, Any] | None) -> str:
+    """avg6(cell) - avg6(reference) in points: paired, with its standard error, where both cells
+    kept per-document scores; the plain difference for cells measured before they were kept."""
+    if reference is None or cell is reference:
+        return "-"
+    if all("documents" in row for row in (*cell["tasks"].values(), *reference["tasks"].values())):
+        gap = paired_difference(cell["tasks"], reference["tasks"])
+        return f"{100 * gap['avg_diff']:+.1f} ±{100 * gap['stderr']:.1f}"
+    return f"{100 * (cell['avg'] - reference['avg']):+.1f}"
+
+
 def render(results: dict[str, Any], model_name: str, methods: Sequence[str]) -> str:
-    """The table: one row per (rho, method) with each task's acc and avg6, dense first."""
+    """The table: one row per (rho, method) with each task's acc and avg6, dense first, and the avg6
+    gaps to dense and to FTC at the same ratio."""
     cells = results["cells"]
     limits = {c["limit"] for c in cells.values()} | ({results["dense"]["limit"]} if "dense" in results else set())
     limit = next(iter(limits)) if len(limits) == 1 else None
@@ -60,16 +74,17 @@ def render(results: dict[str, Any], model_name: str, methods: Sequence[str]) -> 
     lines = [f"# Downstream accuracy: {model_name}, lm-eval zero-shot", "",
              f"Accuracy (%, lm-eval's `acc`) on {scope} (`--limit {limit}`), ± lm-eval's standard error; "
              "avg6 is the mean of the six, its error that of a mean of independent estimates. "
+             "\"vs dense\" and \"vs ftc\" are avg6 differences in points; with ± they are paired on the same "
+             "documents, with the standard error of the paired difference. "
              "Tasks read the local files in `$FTC_DATA_DIR/tasks/` through the shipped `ftc_<task>` configs.", "",
-             "| rho | method | " + " | ".join(COLUMNS.values()) + " | avg6 | vs dense |",
-             "|---|---|" + "---|" * (len(COLUMNS) + 2)]
+             "| rho | method | " + " | ".join(COLUMNS.values()) + " | avg6 | vs dense | vs ftc |",
+             "|---|---|" + "---|" * (len(COLUMNS) + 3)]
 
     def row(label: str, method: str, cell: dict[str, Any]) -> str:
         scores = [_percent(cell["tasks"][t]["acc"], cell["tasks"][t]["acc_stderr"]) for t in COLUMNS]
-        dense = results.get("dense")
-        delta = f"{100 * (cell['avg'] - dense['avg']):+.1f}" if dense and cell is not dense else "-"
+        ftc = cells.get(f"ftc@{cell['ratio']}") if "ratio" in cell else None
         return f"| {label} | {method} | " + " | ".join(scores) + f" | {_percent(cell['avg'], cell['avg_stderr'])} " \
-            f"| {delta} |"
+            f"| {_gap(cell, results.get('dense'))} | {_gap(cell, ftc)} |"
 
     if "dense" in results:
         lines.append(row("1.0", "dense", results["dense"]))

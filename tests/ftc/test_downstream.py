@@ -11,7 +11,9 @@ import pytest
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
-from ftc.downstream import average
+from ftc.downstream import average, document_scores, evaluate_tasks, paired_difference
+from ftc.loading import load_model
+from ftc.models import resolve_model
 from ftc.options import InputError
 from ftc.tasks import AVG6, PREFIX, TASK_DIR, TASKS, TaskDataError, parse_tasks, task_file
 
@@ -104,3 +106,44 @@ def test_average_is_the_mean_score_with_the_stderr_of_a_mean_of_independent_task
     assert result["avg_stderr"] == pytest.approx(math.sqrt(0.03**2 + 0.04**2 + 0.12**2) / 3)
     rows["piqa"]["acc_stderr"] = None
     assert average(rows)["avg_stderr"] is None
+
+
+def test_paired_difference_is_the_mean_per_document_difference_with_its_standard_error():
+    rows = {"arc_easy": {"documents": "1101"}, "boolq": {"documents": "10"}}
+    reference = {"arc_easy": {"documents": "1000"}, "boolq": {"documents": "01"}, "piqa": {"documents": "1"}}
+    result = paired_difference(rows, reference)
+    # arc_easy: d = (0, 1, 0, 1), mean 0.5, sample stdev sqrt(1/3); boolq: d = (1, -1), mean 0, stdev sqrt(2)
+    arc_se, boolq_se = math.sqrt(1 / 3) / 2, math.sqrt(2) / math.sqrt(2)
+    assert result["avg_diff"] == pytest.approx((0.5 + 0.0) / 2)
+    assert result["stderr"] == pytest.approx(math.sqrt(arc_se**2 + boolq_se**2) / 2)
+    assert paired_difference(rows, rows) == {"avg_diff": 0.0, "stderr": 0.0}
+    with pytest.raises(ValueError, match="boolq: both rows need per-document scores on the same documents"):
+        paired_difference(rows, {**reference, "boolq": {"documents": "011"}})
+
+
+def test_document_scores_follow_document_order_and_the_headline_filter():
+    samples = [{"doc_id": 2, "filter": "none", "acc": 1.0}, {"doc_id": 0, "filter": "none", "acc": 0.0},
+               {"doc_id": 1, "filter": "none", "acc": 1.0}]
+    assert document_scores("piqa", samples) == "011"
+    gsm8k = [{"doc_id": 1, "filter": "flexible-extract", "exact_match": 1.0},
+             {"doc_id": 1, "filter": "strict-match", "exact_match": 0.0},
+             {"doc_id": 0, "filter": "strict-match", "exact_match": 1.0}]
+    assert document_scores("gsm8k", gsm8k) == "10"
+
+
+def test_per_document_scores_are_lm_evals_and_pair_two_models_on_the_same_documents(tiny_folder, tiny_artifact):
+    """A dense tiny model and its compression through lm-eval: each row's documents average to its
+    acc, and the paired difference of the averages is the difference of the two avg."""
+    tasks = ("arc_easy", "boolq")
+    scored = []
+    for folder in (tiny_folder("gqa"), tiny_artifact("gqa", 0.4)):
+        model, tokenizer = load_model(resolve_model(str(folder)))
+        scored.append(evaluate_tasks(model, tokenizer, tasks, limit=6, batch_size=4, per_document=True))
+    for result in scored:
+        for task in tasks:
+            row = result["tasks"][task]
+            assert len(row["documents"]) == row["n"] == 6
+            assert row["documents"].count("1") / 6 == pytest.approx(row["acc"])
+    dense, compressed = (result["tasks"] for result in scored)
+    assert paired_difference(compressed, dense)["avg_diff"] == pytest.approx(scored[1]["avg"] - scored[0]["avg"])
+    assert paired_difference(dense, dense)["stderr"] == 0.0
