@@ -131,9 +131,14 @@ def test_document_scores_follow_document_order_and_the_headline_filter():
     assert document_scores("gsm8k", gsm8k) == "10"
 
 
-def test_per_document_scores_are_lm_evals_and_pair_two_models_on_the_same_documents(tiny_folder, tiny_artifact):
+def test_per_document_scores_are_lm_evals_and_pair_two_models_on_the_same_documents(tiny_folder, tiny_artifact,
+                                                                                     monkeypatch):
     """A dense tiny model and its compression through lm-eval: each row's documents average to its
     acc, and the paired difference of the averages is the difference of the two avg."""
+    # evaluate_tasks sets the offline switches in this process; set them here so they are undone
+    # afterwards and never reach the hub tests' subprocesses
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
     tasks = ("arc_easy", "boolq")
     scored = []
     for folder in (tiny_folder("gqa"), tiny_artifact("gqa", 0.4)):
