@@ -7,7 +7,7 @@ factorized form and scored by lm-eval on the `ftc_<task>` configs (`ftc.downstre
 uses the same `--limit` (the first N documents of each task); the standard error of each score is
 lm-eval's, and that of avg6 combines the six as independent estimates. Each cell also keeps its
 per-document scores, so the gaps to dense and to FTC at the same ratio are paired differences on
-the same documents, with their (much smaller) paired standard error. Finished cells are kept in the
+the same documents, with the standard error of the paired difference. Finished cells are kept in the
 JSON and skipped on re-runs with the same limit, so an interrupted run resumes.
 Writes benchmarks/results/tasks.{json,md}.
 """

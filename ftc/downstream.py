@@ -64,9 +64,10 @@ def paired_difference(rows: dict[str, dict[str, Any]], reference: dict[str, dict
     """avg(rows) - avg(reference) over the tasks of `rows`, with the standard error of that
     difference from the per-document differences of the two models on the same documents.
 
-    Why paired: two compressions of one model answer most documents alike, so the differences vary
-    far less than either score. The unpaired errors of two avg6 at 50 documents a task (about 2.6
-    points each) hide gaps the paired error resolves. Per task it is stdev(d) / sqrt(n) of the
+    Why paired: both models meet the same documents, so the documents' own difficulty cancels out of
+    the differences instead of entering both scores' errors. How much that buys depends on how alike
+    the two models answer; on SmolLM2 at 200 documents a task it came out close to the unpaired
+    error, because BoolQ answers flip with a model's yes/no bias. Per task it is stdev(d) / sqrt(n) of the
     differences d (lm-eval's sample-stdev convention for its `acc_stderr`); tasks hold different
     documents, so they combine as independent estimates, as in `average`.
     """
