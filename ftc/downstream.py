@@ -114,19 +114,19 @@ def evaluate_tasks(
         raise ValueError("no tasks to evaluate")
     for task in tasks:
         task_file(task)
-    offline()
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
+    with offline():
+        from lm_eval import simple_evaluate
+        from lm_eval.tasks import TaskManager
 
-    lm = FTCLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    output = simple_evaluate(
-        model=lm,
-        tasks=[PREFIX + task for task in tasks],
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=TaskManager(include_path=str(TASK_DIR), include_defaults=False),
-        log_samples=per_document,
-    )
+        lm = FTCLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        output = simple_evaluate(
+            model=lm,
+            tasks=[PREFIX + task for task in tasks],
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=TaskManager(include_path=str(TASK_DIR), include_defaults=False),
+            log_samples=per_document,
+        )
     rows = {task: task_row(task, output["results"], output["n-samples"]) for task in tasks}
     if per_document:
         for task, row in rows.items():

@@ -16,6 +16,8 @@ with that import done first, taking exactly lm-eval's arguments:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,10 +30,30 @@ from ftc.models import ModelError, pick_device, resolve_model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def offline() -> None:
-    """Tasks read local files; make sure nothing in datasets/transformers reaches for the hub."""
-    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@contextmanager
+def offline() -> Iterator[None]:
+    """Hub switches off (where the user set none) while tasks run, as they were afterwards.
+
+    Tasks read local files; these switches make sure nothing lm-eval or `datasets` calls reaches
+    for the hub. They are restored on exit because a worker that scored tasks for one job may
+    compress a hub model id for the next, and the subprocesses it starts inherit its environment.
+    `huggingface_hub` and `datasets` read the switches once, at their first import, so only a first
+    import inside the block (usually `datasets`, through lm-eval) keeps the offline setting.
+    """
+    saved = {name: os.environ.get(name) for name in OFFLINE}
+    for name in OFFLINE:
         os.environ.setdefault(name, "1")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _device(name: str | None) -> torch.device:
@@ -68,8 +90,8 @@ def main() -> None:
     """lm-eval's command line, with the `ftc` backend registered by this module's import."""
     from lm_eval.__main__ import cli_evaluate
 
-    offline()
-    cli_evaluate()
+    with offline():
+        cli_evaluate()
 
 
 if __name__ == "__main__":

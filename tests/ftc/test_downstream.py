@@ -4,6 +4,7 @@ read through them, and the average of task scores."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import lm_eval.tasks
@@ -12,6 +13,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
 from ftc.downstream import average, document_scores, evaluate_tasks, paired_difference
+from ftc.harness import OFFLINE, offline
 from ftc.loading import load_model
 from ftc.models import resolve_model
 from ftc.options import InputError
@@ -135,10 +137,8 @@ def test_per_document_scores_are_lm_evals_and_pair_two_models_on_the_same_docume
                                                                                      monkeypatch):
     """A dense tiny model and its compression through lm-eval: each row's documents average to its
     acc, and the paired difference of the averages is the difference of the two avg."""
-    # evaluate_tasks sets the offline switches in this process; set them here so they are undone
-    # afterwards and never reach the hub tests' subprocesses
-    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.setenv(name, "1")
+    for name in OFFLINE:  # evaluate_tasks turns them on while it runs, and must leave them as found
+        monkeypatch.delenv(name, raising=False)
     tasks = ("arc_easy", "boolq")
     scored = []
     for folder in (tiny_folder("gqa"), tiny_artifact("gqa", 0.4)):
@@ -149,6 +149,21 @@ def test_per_document_scores_are_lm_evals_and_pair_two_models_on_the_same_docume
             row = result["tasks"][task]
             assert len(row["documents"]) == row["n"] == 6
             assert row["documents"].count("1") / 6 == pytest.approx(row["acc"])
+    assert not {name for name in OFFLINE if name in os.environ}, "the offline switches leaked out of evaluate_tasks"
     dense, compressed = (result["tasks"] for result in scored)
     assert paired_difference(compressed, dense)["avg_diff"] == pytest.approx(scored[1]["avg"] - scored[0]["avg"])
     assert paired_difference(dense, dense)["stderr"] == 0.0
+
+
+def test_offline_turns_the_hub_switches_on_inside_and_restores_them_after(monkeypatch):
+    """A switch the user set is kept as set; those unset are on inside and unset again after, so a
+    worker's next job (and the subprocesses it starts) may reach the hub."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    with offline():
+        assert [os.environ.get(name) for name in OFFLINE] == ["0", "1", "1"]
+    assert [os.environ.get(name) for name in OFFLINE] == ["0", None, None]
+    with pytest.raises(RuntimeError), offline():
+        raise RuntimeError("a failed evaluation")
+    assert [os.environ.get(name) for name in OFFLINE] == ["0", None, None]
