@@ -8,18 +8,22 @@ uses the same `--limit` (the first N documents of each task); the standard error
 lm-eval's, and that of avg6 combines the six as independent estimates. Each cell also keeps its
 per-document scores, so the gaps to dense and to FTC at the same ratio are paired differences on
 the same documents, with the standard error of the paired difference. Finished cells are kept in the
-JSON and skipped on re-runs with the same limit, so an interrupted run resumes.
-Writes benchmarks/results/tasks.{json,md}.
+JSON and skipped on re-runs with the same limit, so an interrupted run resumes; each save merges
+into the file as it is then, under a lock, so one process per core (different `--methods` or
+`--ratios`, the same `--out`) fills one table. Start the second once the first has saved dense.
+Writes benchmarks/results/tasks.{json,md,png}.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,8 @@ from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, compress
 from ftc.downstream import evaluate_tasks, paired_difference
 from ftc.tasks import AVG6
+from service.reports.plots import render_plots
+from service.reports.rows import AVERAGE, ResultRow
 
 COLUMNS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwag", "piqa": "PIQA",
            "boolq": "BoolQ", "mathqa": "MathQA"}
@@ -64,9 +70,9 @@ def _gap(cell: dict[str, Any], reference: dict[str, Any] | None) -> str:
     return f"{100 * (cell['avg'] - reference['avg']):+.1f}"
 
 
-def render(results: dict[str, Any], model_name: str, methods: Sequence[str]) -> str:
+def render(results: dict[str, Any], model_name: str, methods: Sequence[str], image: str = "") -> str:
     """The table: one row per (rho, method) with each task's acc and avg6, dense first, and the avg6
-    gaps to dense and to FTC at the same ratio."""
+    gaps to dense and to FTC at the same ratio; `image` is the plot's file name, shown above it."""
     cells = results["cells"]
     limits = {c["limit"] for c in cells.values()} | ({results["dense"]["limit"]} if "dense" in results else set())
     limit = next(iter(limits)) if len(limits) == 1 else None
@@ -77,6 +83,7 @@ def render(results: dict[str, Any], model_name: str, methods: Sequence[str]) -> 
              "\"vs dense\" and \"vs ftc\" are avg6 differences in points; with ± they are paired on the same "
              "documents, with the standard error of the paired difference. "
              "Tasks read the local files in `$FTC_DATA_DIR/tasks/` through the shipped `ftc_<task>` configs.", "",
+             *([f"![avg6 against rho]({image})", ""] if image else []),
              "| rho | method | " + " | ".join(COLUMNS.values()) + " | avg6 | vs dense | vs ftc |",
              "|---|---|" + "---|" * (len(COLUMNS) + 3)]
 
@@ -92,8 +99,9 @@ def render(results: dict[str, Any], model_name: str, methods: Sequence[str]) -> 
         for method in methods:
             if (cell := cells.get(f"{method}@{ratio}")) is not None:
                 lines.append(row(str(ratio), method, cell))
+    produced = "; ".join(f"`{command}`" for command in _commands(results)) or "`benchmarks/quality.py --part tasks`"
     lines += ["", "Each cell: `ftc.compress` -> artifact on disk -> reloaded (factorized) -> lm-eval. "
-              f"Produced by `{results.get('command', 'benchmarks/quality.py --part tasks')}`.", ""]
+              f"Produced by {produced}.", ""]
     # checks made outside this script (e.g. lm-eval's own `hf` backend on the dense export), kept
     # in the JSON so a re-run's table still carries them
     notes = results.get("notes", [])
@@ -101,11 +109,52 @@ def render(results: dict[str, Any], model_name: str, methods: Sequence[str]) -> 
     return "\n".join(lines)
 
 
-def _write(path: Path, text: str) -> None:
+def plot(results: dict[str, Any], model_name: str) -> bytes:
+    """avg6 against rho, one line per method and dense dashed: the sweep reports' accuracy panel.
+    The panel names the model only (the table beside it says where its weights come from)."""
+    model = model_name.split(" (")[0]
+    rows = [ResultRow(model=model, method=c["method"], ratio=c["ratio"], status="succeeded",
+                      accuracy={AVERAGE: 100 * c["avg"]}) for c in results["cells"].values()]
+    dense = {model: {AVERAGE: 100 * results["dense"]["avg"]}} if "dense" in results else {}
+    limits = {c["limit"] for c in results["cells"].values()}
+    scope = f", first {limits.pop()} documents per task" if len(limits) == 1 and None not in limits else ""
+    return render_plots(rows, {}, [], f"avg6 (%), lm-eval zero-shot{scope}", AVG6, dense)["plot.png"]
+
+
+def _commands(results: dict[str, Any]) -> list[str]:
+    """The commands that filled the table, oldest first (files written before merging kept one)."""
+    return results.get("commands") or ([results["command"]] if "command" in results else [])
+
+
+def merged(on_disk: dict[str, Any], finished: dict[str, Any], command: str) -> dict[str, Any]:
+    """The table file as another process left it, plus the cells this run `finished` (its dense under
+    the key "dense", its method cells under theirs), which replace those of the same key; `command`
+    joins the commands unless it is already there."""
+    results = {**on_disk, "cells": {**on_disk.get("cells", {}), **{k: v for k, v in finished.items() if k != "dense"}}}
+    if "dense" in finished:
+        results["dense"] = finished["dense"]
+    results.pop("command", None)
+    results["commands"] = list(dict.fromkeys([*_commands(on_disk), command]))
+    return results
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`'s lock file while its table is read, merged and written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write(path: Path, text: str | bytes) -> None:
     """Atomically: a killed run never leaves a half-written table."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(text.encode() if isinstance(text, str) else text)
     os.replace(tmp, path)
 
 
@@ -121,30 +170,34 @@ def run_tasks_part(
     model_name: str,
 ) -> None:
     """Fill `out` (JSON) cell by cell: the dense model, then every method at each ratio, in that order."""
+    command = " ".join(["benchmarks/quality.py", *sys.argv[1:]])
     results = json.loads(out.read_text()) if out.exists() else {"cells": {}}
-    results["calibration"] = f"{base.calib_samples} x {base.seq_len} tokens of {base.calib}, seed {base.seed}"
-    results["command"] = " ".join(["benchmarks/quality.py", *sys.argv[1:]])
+    finished: dict[str, Any] = {}
 
     def table() -> str:
         # rows of methods from earlier runs stay in the table, after this run's
         shown = [*methods, *sorted({c["method"] for c in results["cells"].values()} - set(methods))]
-        return render(results, model_name, shown)
+        return render(results, model_name, shown, out.with_suffix(".png").name)
 
-    def save() -> None:
-        _write(out, json.dumps(results, indent=2))
-        _write(out.with_suffix(".md"), table())
+    def save(key: str, cell: dict[str, Any]) -> None:
+        nonlocal results
+        finished[key] = cell
+        with _locked(out):
+            results = merged(json.loads(out.read_text()) if out.exists() else {"cells": {}}, finished, command)
+            results["calibration"] = f"{base.calib_samples} x {base.seq_len} tokens of {base.calib}, seed {base.seed}"
+            _write(out, json.dumps(results, indent=2))
+            _write(out.with_suffix(".md"), table())
+            _write(out.with_suffix(".png"), plot(results, model_name))
 
     if results.get("dense", {}).get("limit", -1) != limit:
-        results["dense"] = score_cell(loaded[0], loaded[1], limit, batch_size)
+        save("dense", score_cell(loaded[0], loaded[1], limit, batch_size))
         print("dense", f"avg6 {results['dense']['avg']:.4f}", flush=True)
-        save()
     for ratio in ratios:
         for method in methods:
             key = f"{method}@{ratio}"
             if results["cells"].get(key, {}).get("limit", -1) == limit:
                 continue
             cell = compressed_cell(loaded, options_for(method, ratio), limit, batch_size)
-            results["cells"][key] = {"method": method, "ratio": ratio, **cell}
+            save(key, {"method": method, "ratio": ratio, **cell})
             print(key, f"avg6 {cell['avg']:.4f}", flush=True)
-            save()
     print(table())

@@ -1,0 +1,32 @@
+"""The tasks benchmark's table file, filled by one process per core: a save merges into what the
+others have written instead of overwriting it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location(
+    "quality_tasks", Path(__file__).parents[1] / "benchmarks" / "quality_tasks.py")
+quality_tasks = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(quality_tasks)
+
+
+def _cell(method: str, avg: float) -> dict:
+    return {"method": method, "ratio": 0.4, "limit": 10, "avg": avg}
+
+
+def test_a_save_keeps_the_other_process_cells_and_commands() -> None:
+    # the file as the other process (--methods cp) left it, in the layout of files written before merging
+    on_disk = {"command": "quality.py --methods cp", "dense": {"avg": 0.5}, "notes": ["kept"],
+               "cells": {"cp@0.4": _cell("cp", 0.3), "ftc@0.4": _cell("ftc", 0.1)}}
+    finished = {"ftc@0.4": _cell("ftc", 0.4)}
+    results = quality_tasks.merged(on_disk, finished, "quality.py --methods ftc")
+    assert results["cells"] == {"cp@0.4": _cell("cp", 0.3), "ftc@0.4": _cell("ftc", 0.4)}
+    assert results["dense"] == {"avg": 0.5} and results["notes"] == ["kept"]
+    assert results["commands"] == ["quality.py --methods cp", "quality.py --methods ftc"]
+    assert "command" not in results and on_disk["cells"]["ftc@0.4"]["avg"] == 0.1  # the input is not changed
+    # a resumed run adds its command once, and its own dense replaces the file's
+    again = quality_tasks.merged(results, {"dense": {"avg": 0.6}}, "quality.py --methods ftc")
+    assert again["commands"] == results["commands"] and again["dense"] == {"avg": 0.6}
+    assert "dense" not in again["cells"]
