@@ -40,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give an artifact folder or --model NAME")
     _check(args)
     tasks = parse_tasks(args.tasks)
+    if args.tasks is not None and not tasks:
+        raise UsageError("--tasks names no task; give e.g. --tasks arc_easy,piqa or --tasks avg6")
+    if not tasks and (args.limit is not None or args.num_fewshot is not None):
+        raise UsageError("--limit and --num-fewshot apply to tasks; add --tasks (e.g. --tasks avg6)")
     dataset = args.dataset or (None if tasks else "wikitext2")
     for task in tasks:  # a missing data file fails before the model is loaded
         task_file(task)

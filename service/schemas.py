@@ -194,6 +194,13 @@ class Evaluation(_Strict):
     def _known_tasks(cls, names: list[str]) -> list[str]:
         return list(parse_tasks(names))
 
+    @model_validator(mode="after")
+    def _limit_needs_tasks(self) -> Evaluation:
+        # a limit alone would be stored and silently ignored: the job would score no task at all
+        if self.limit is not None and not self.tasks:
+            raise ValueError('limit counts task documents: add tasks (e.g. ["avg6"]) or drop limit')
+        return self
+
 
 class JobRequest(_Strict):
     """One compression job, or with `ratios` a set of linked jobs that differ only in keep ratio."""

@@ -52,6 +52,8 @@ def test_task_dir_and_bad_task_input_are_one_line_errors(tiny_folder, tmp_path):
         (["--tasks", "piqa"], {"FTC_DATA_DIR": str(tmp_path)},
          f"task piqa needs {tmp_path}/tasks/piqa_validation.jsonl; set FTC_DATA_DIR"),
         (["--tasks", "piqa", "--limit", "0"], None, "--limit must be >= 1"),
+        (["--tasks", ""], None, "--tasks names no task"),
+        (["--limit", "5"], None, "--limit and --num-fewshot apply to tasks; add --tasks"),
     ):
         failed = run(FTC, "eval", "--model", model, *args, env=env)
         assert failed.returncode == 2, failed.stderr
