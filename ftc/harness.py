@@ -4,10 +4,12 @@
 runs in its factorized form, any other `--model` spec (alias, Hugging Face folder, .gguf) runs as
 transformers loads it. Loglikelihood, rolling loglikelihood and generation are HFLM's, unchanged.
 
-lm-eval 0.4.13 has no entry-point group for model backends: its registry knows only the models it
-lists itself and those registered by `@register_model` in an imported module. Importing this
-module registers `ftc`; `ftc-lm-eval` (or `python -m ftc.harness`) is lm-eval's own command line
-with that import done first, taking exactly lm-eval's arguments:
+The package declares `ftc` in lm-eval's plugin entry-point group `lm_eval.models`, which lm-eval
+reads from its releases after 0.4.13 on: with those, `lm_eval run --model ftc` works as installed.
+lm-eval 0.4.13 does not read it: its registry knows only the models it lists itself and those
+registered by `@register_model` in an imported module. Importing this module registers `ftc`;
+`ftc-lm-eval` (or `python -m ftc.harness`) is lm-eval's own command line with that import done
+first, taking exactly lm-eval's arguments:
 
     ftc-lm-eval run --model ftc --model_args pretrained=DIR \
         --include_path "$(ftc eval --task-dir)" --tasks ftc_arc_easy

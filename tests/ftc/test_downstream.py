@@ -3,12 +3,14 @@ read through them, and the average of task scores."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
 from pathlib import Path
 
 import lm_eval.tasks
 import pytest
+from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -167,3 +169,10 @@ def test_offline_turns_the_hub_switches_on_inside_and_restores_them_after(monkey
     with pytest.raises(RuntimeError), offline():
         raise RuntimeError("a failed evaluation")
     assert [os.environ.get(name) for name in OFFLINE] == ["0", None, None]
+
+
+def test_the_installed_package_declares_the_ftc_backend_in_lm_evals_plugin_group():
+    # lm-eval releases that read the group resolve `--model ftc` through this entry point
+    declared = importlib.metadata.entry_points(group="lm_eval.models")
+    assert [entry.value for entry in declared if entry.name == "ftc"] == ["ftc.harness:FTCLM"]
+    assert next(entry for entry in declared if entry.name == "ftc").load() is get_model("ftc")
