@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from ftc.compress import CompressOptions, compress
 from ftc.models import resolve_model
+from ftc.tasks import task_file
 from ftc.weights import load_config
 from service.logs import set_log_context
 from service.queue import Lease
@@ -113,6 +114,8 @@ class Attempt:
         cache = Path(self.settings.work_dir) / "inputs"
         calibration = local_dataset(self.store, request.calibration.dataset, cache)
         datasets = {name: local_dataset(self.store, name, cache) for name in request.evaluation.datasets}
+        for task in request.evaluation.tasks:  # a worker without the task files fails before compressing
+            task_file(task)
         options = compress_options(request, model, calibration, self.device)
         layers = load_config(resolve_model(model)).get_text_config().num_hidden_layers  # a multimodal config nests it
         restored = self.checkpoints.restore()

@@ -18,7 +18,6 @@ from ftc.data import load_text, tokenize
 from ftc.evaluate import perplexity
 from ftc.loading import load_model
 from ftc.models import resolve_model
-from ftc.tasks import task_file
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,6 @@ def evaluate(
     `datasets` maps the name the job used to the file or name to read. `check` runs before each
     dataset and before the tasks, so a cancelled job does not sit through a long evaluation.
     """
-    for task in tasks:  # a worker without the task files fails before loading anything
-        task_file(task)
     loaded, tokenizer = load_model(resolve_model(str(model)), torch.float32, device)
     results: dict[str, Any] = {"perplexity": {}}
     for name, local in datasets.items():

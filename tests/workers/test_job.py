@@ -225,10 +225,23 @@ def test_a_job_that_cannot_run_fails_with_a_readable_reason_and_keeps_its_log(
     _root, model = models_dir(layers=4)
 
     record = run_job(settings, worker_job_request(model) | change)
-    assert record.status == "failed"
+    assert record.status == "failed" and record.attempts == 1
     assert reason in record.error and "Traceback" not in record.error
     log = (job_folder(settings, record.id) / "log.txt").read_text()
     assert "Traceback" in log and reason in log
+
+
+def test_a_worker_without_the_task_files_fails_the_job_before_compressing(
+    worker_settings, models_dir, monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setenv("FTC_DATA_DIR", str(tmp_path))
+    settings = worker_settings()
+    _root, model = models_dir(layers=4)
+
+    record = run_job(settings, worker_job_request(model, eval={"datasets": [], "tasks": ["piqa"]}))
+    assert record.status == "failed" and record.attempts == 1
+    assert f"{tmp_path}/tasks/piqa_validation.jsonl; set FTC_DATA_DIR" in record.error
+    assert record.progress.layer == 0  # not after hours of compression
 
 
 def test_a_job_whose_lease_is_taken_away_is_left_to_its_new_owner(worker_settings, models_dir) -> None:
