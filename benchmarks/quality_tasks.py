@@ -47,16 +47,18 @@ def score_cell(model, tokenizer, limit: int | None, batch_size: int) -> dict[str
 
 
 def compressed_cell(loaded, options: CompressOptions, limit: int | None, batch_size: int) -> dict[str, Any]:
-    """One method at one ratio, scored. The thread count is kept with it: the compressed model
-    depends on float rounding, which depends on it, and on SmolLM2 BoolQ answers follow (the same cp
-    compression on one and on two threads: 36.0% and 40.0% on the same 200 documents)."""
+    """One method at one ratio, scored. What sets float rounding is kept with it (threads, torch's
+    build and the CPU kernels it dispatched to): the compressed model depends on that rounding, and on
+    SmolLM2 BoolQ answers follow it (the same cp compression on one and on two threads: 36.0% and
+    40.0% on the same 200 documents)."""
     with tempfile.TemporaryDirectory() as tmp:
         manifest = compress(options, Path(tmp) / "artifact", loaded=loaded, progress=False)
         model, _, _ = load_artifact(Path(tmp) / "artifact")
         cell = score_cell(model, loaded[1], limit, batch_size)
     return {**cell, "compress_seconds": manifest["compress_seconds"],
             "model_reduction": manifest["storage"]["model_reduction"],
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability()}
 
 
 def _percent(value: float | None, stderr: float | None) -> str:
