@@ -33,6 +33,7 @@ from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, compress
 from ftc.downstream import evaluate_tasks, paired_difference
 from ftc.tasks import AVG6
+from ftc.tasks.utils import load_boolq
 from service.reports.plots import render_plots
 from service.reports.rows import AVERAGE, ResultRow
 
@@ -78,9 +79,22 @@ def _gap(cell: dict[str, Any], reference: dict[str, Any] | None) -> str:
     return f"{100 * (cell['avg'] - reference['avg']):+.1f}"
 
 
-def render(results: dict[str, Any], model_name: str, methods: Sequence[str], image: str = "") -> str:
-    """The table: one row per (rho, method) with each task's acc and avg6, dense first, and the avg6
-    gaps to dense and to FTC at the same ratio; `image` is the plot's file name, shown above it."""
+def boolq_yes(documents: str, labels: Sequence[int]) -> float:
+    """Share of the BoolQ documents a model answered "yes" (choice 1), from its per-document scores
+    and the labels: a correct answer is the label, a wrong one the other.
+
+    Why: on SmolLM2 BoolQ accuracy follows this share, not reading (dense answers "yes" on 19 of the
+    first 200 documents, whose labels are 63.5% "yes"); the column shows where a BoolQ gain comes from.
+    """
+    answers = [label if score == "1" else 1 - label for score, label in zip(documents, labels, strict=False)]
+    return sum(answers) / len(documents)
+
+
+def render(results: dict[str, Any], model_name: str, methods: Sequence[str], image: str = "",
+           boolq_labels: Sequence[int] = ()) -> str:
+    """The table: one row per (rho, method) with each task's acc and avg6, dense first, the avg6
+    gaps to dense and to FTC at the same ratio and, given `boolq_labels` (document order), the share
+    of BoolQ answers that were "yes"; `image` is the plot's file name, shown above it."""
     cells = results["cells"]
     limits = {c["limit"] for c in cells.values()} | ({results["dense"]["limit"]} if "dense" in results else set())
     limit = next(iter(limits)) if len(limits) == 1 else None
@@ -92,14 +106,16 @@ def render(results: dict[str, Any], model_name: str, methods: Sequence[str], ima
              "documents, with the standard error of the paired difference. "
              "Tasks read the local files in `$FTC_DATA_DIR/tasks/` through the shipped `ftc_<task>` configs.", "",
              *([f"![avg6 against rho]({image})", ""] if image else []),
-             "| rho | method | " + " | ".join(COLUMNS.values()) + " | avg6 | vs dense | vs ftc |",
-             "|---|---|" + "---|" * (len(COLUMNS) + 3)]
+             "| rho | method | " + " | ".join(COLUMNS.values()) + " | avg6 | vs dense | vs ftc | BoolQ yes |",
+             "|---|---|" + "---|" * (len(COLUMNS) + 4)]
 
     def row(label: str, method: str, cell: dict[str, Any]) -> str:
         scores = [_percent(cell["tasks"][t]["acc"], cell["tasks"][t]["acc_stderr"]) for t in COLUMNS]
         ftc = cells.get(f"ftc@{cell['ratio']}") if "ratio" in cell else None
+        documents = cell["tasks"].get("boolq", {}).get("documents")
+        yes = _percent(boolq_yes(documents, boolq_labels), None) if documents and boolq_labels else "-"
         return f"| {label} | {method} | " + " | ".join(scores) + f" | {_percent(cell['avg'], cell['avg_stderr'])} " \
-            f"| {_gap(cell, results.get('dense'))} | {_gap(cell, ftc)} |"
+            f"| {_gap(cell, results.get('dense'))} | {_gap(cell, ftc)} | {yes} |"
 
     if "dense" in results:
         lines.append(row("1.0", "dense", results["dense"]))
@@ -182,10 +198,12 @@ def run_tasks_part(
     results = json.loads(out.read_text()) if out.exists() else {"cells": {}}
     finished: dict[str, Any] = {}
 
+    boolq_labels = load_boolq("boolq", "validation")["validation"]["label"]
+
     def table() -> str:
         # rows of methods from earlier runs stay in the table, after this run's
         shown = [*methods, *sorted({c["method"] for c in results["cells"].values()} - set(methods))]
-        return render(results, model_name, shown, out.with_suffix(".png").name)
+        return render(results, model_name, shown, out.with_suffix(".png").name, boolq_labels)
 
     def save(key: str, cell: dict[str, Any]) -> None:
         nonlocal results

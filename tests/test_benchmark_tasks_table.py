@@ -30,3 +30,11 @@ def test_a_save_keeps_the_other_process_cells_and_commands() -> None:
     again = quality_tasks.merged(results, {"dense": {"avg": 0.6}}, "quality.py --methods ftc")
     assert again["commands"] == results["commands"] and again["dense"] == {"avg": 0.6}
     assert "dense" not in again["cells"]
+
+
+def test_boolq_yes_is_the_share_of_documents_answered_yes() -> None:
+    labels = [1, 1, 0, 0]  # "yes", "yes", "no", "no"
+    assert quality_tasks.boolq_yes("1111", labels) == 0.5  # every answer right: the labels' share
+    assert quality_tasks.boolq_yes("1100", labels) == 1.0  # always "yes"
+    assert quality_tasks.boolq_yes("0011", labels) == 0.0  # always "no"
+    assert quality_tasks.boolq_yes("1000", labels) == 0.75  # yes, no (wrong), yes (wrong), yes (wrong)
