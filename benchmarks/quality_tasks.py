@@ -42,24 +42,24 @@ COLUMNS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwa
 
 
 def score_cell(model, tokenizer, limit: int | None, batch_size: int) -> dict[str, Any]:
+    """A model's scores on the six tasks, with what sets their float rounding (threads, torch's build
+    and the CPU kernels it dispatched to): a compressed model depends on that rounding, and on
+    SmolLM2 BoolQ answers follow it (the same cp compression on one and on two threads: 36.0% and
+    40.0% on the same 200 documents)."""
     started = time.perf_counter()
     scores = evaluate_tasks(model, tokenizer, AVG6, limit=limit, batch_size=batch_size, per_document=True)
-    return {**scores, "eval_seconds": round(time.perf_counter() - started, 1)}
+    return {**scores, "eval_seconds": round(time.perf_counter() - started, 1), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "cpu_kernels": torch.backends.cpu.get_cpu_capability()}
 
 
 def compressed_cell(loaded, options: CompressOptions, limit: int | None, batch_size: int) -> dict[str, Any]:
-    """One method at one ratio, scored. What sets float rounding is kept with it (threads, torch's
-    build and the CPU kernels it dispatched to): the compressed model depends on that rounding, and on
-    SmolLM2 BoolQ answers follow it (the same cp compression on one and on two threads: 36.0% and
-    40.0% on the same 200 documents)."""
+    """One method at one ratio: compressed, written, reloaded from disk, scored (`score_cell`)."""
     with tempfile.TemporaryDirectory() as tmp:
         manifest = compress(options, Path(tmp) / "artifact", loaded=loaded, progress=False)
         model, _, _ = load_artifact(Path(tmp) / "artifact")
         cell = score_cell(model, loaded[1], limit, batch_size)
     return {**cell, "compress_seconds": manifest["compress_seconds"],
-            "model_reduction": manifest["storage"]["model_reduction"],
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cpu_kernels": torch.backends.cpu.get_cpu_capability()}
+            "model_reduction": manifest["storage"]["model_reduction"]}
 
 
 def _percent(value: float | None, stderr: float | None) -> str:
