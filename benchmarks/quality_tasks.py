@@ -42,10 +42,11 @@ COLUMNS = {"arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwa
 
 
 def score_cell(model, tokenizer, limit: int | None, batch_size: int) -> dict[str, Any]:
-    """A model's scores on the six tasks, with what sets their float rounding (threads, torch's build
-    and the CPU kernels it dispatched to): a compressed model depends on that rounding, and on
-    SmolLM2 BoolQ answers follow it (the same cp compression on one and on two threads: 36.0% and
-    40.0% on the same 200 documents)."""
+    """A model's scores on the six tasks, with the process's threads, torch build and CPU kernels.
+    Scoring itself does not depend on them (one FTC artifact scored on one and on two threads gives
+    the same answers), but an FTC compression does, and `compressed_cell` compresses in this process:
+    on SmolLM2 BoolQ answers follow it (ftc at rho 0.4 compressed on one and on two threads: 55.0%
+    and 48.5% on the same 200 documents)."""
     started = time.perf_counter()
     scores = evaluate_tasks(model, tokenizer, AVG6, limit=limit, batch_size=batch_size, per_document=True)
     return {**scores, "eval_seconds": round(time.perf_counter() - started, 1), "threads": torch.get_num_threads(),
