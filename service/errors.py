@@ -33,3 +33,16 @@ class LeaseLost(Exception):
 
 class StoreUnavailable(Exception):
     """The object store could not be reached, even after retrying with backoff."""
+
+
+class QuotaExceeded(Exception):
+    """A team reached one of its limits (service/teams.py); the API answers 429 with Retry-After.
+
+    `limit` is the limit's name (`queued_jobs`, `submissions_per_minute`, ...), `retry_after` the
+    seconds after which trying again may succeed.
+    """
+
+    def __init__(self, limit: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after = max(1, int(retry_after))

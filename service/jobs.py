@@ -17,17 +17,19 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from service.errors import IdempotencyConflict, JobNotFound, LeaseLost
+from service.errors import IdempotencyConflict, JobNotFound, LeaseLost, QuotaExceeded
 from service.ids import new_id
 from service.keys import LUA_PRELUDE, Keys
 from service.schemas import JOB_STATUSES, JobEvent, JobRecord, JobRequest, Progress
+from service.teams import limit_source
 
 _SUBMIT = (
     LUA_PRELUDE
     + """
 local team, idem, mode, digest = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local ttl, now, n = ARGV[6], ARGV[7], tonumber(ARGV[8])
-local first = ARGV[9]
+local max_queued, per_minute = tonumber(ARGV[9]), tonumber(ARGV[10])
+local first = ARGV[11]
 if idem ~= '' then
   local held = redis.call('GET', idem)
   if held then
@@ -42,17 +44,32 @@ if idem ~= '' then
     end
   end
 end
+-- Quotas, checked in the same step as the write so concurrent submissions cannot pass them together.
+if max_queued > 0 then
+  local queued = redis.call('ZCARD', team_status_key(team, 'queued'))
+  if queued + n > max_queued then return {'quota', 'queued_jobs', tostring(queued)} end
+end
+if per_minute > 0 then  -- a token bucket of per_minute tokens, refilled at per_minute a minute
+  local bucket = prefix .. ':team:' .. team .. ':rate'
+  local tokens, at = unpack(redis.call('HMGET', bucket, 'tokens', 'at'))
+  tokens, at = tonumber(tokens) or per_minute, tonumber(at) or tonumber(now)
+  tokens = math.min(per_minute, tokens + math.max(0, tonumber(now) - at) * per_minute / 60)
+  if tokens < 1 then
+    return {'quota', 'submissions_per_minute', tostring(math.ceil((1 - tokens) * 60 / per_minute))}
+  end
+  redis.call('HSET', bucket, 'tokens', tostring(tokens - 1), 'at', now)
+  redis.call('EXPIRE', bucket, 120)
+end
 for i = 0, n - 1 do
-  local id, stream = ARGV[9 + 3 * i], ARGV[10 + 3 * i]
-  local fields = cjson.decode(ARGV[11 + 3 * i])
+  local id = ARGV[11 + 2 * i]
+  local fields = cjson.decode(ARGV[12 + 2 * i])
   local flat = {}
   for field, value in pairs(fields) do
     flat[#flat + 1] = field
     flat[#flat + 1] = value
   end
   redis.call('HSET', job_key(id), unpack(flat))
-  local entry = redis.call('XADD', stream, '*', 'job', id)
-  redis.call('HSET', job_key(id), 'stream', stream, 'entry', entry)
+  enqueue(id, team, fields['priority'])
   redis.call('ZADD', team_jobs_key(team), 0, id)
   set_status(id, team, false, 'queued', now, {attempts = 0})
 end
@@ -113,6 +130,35 @@ set_status(id, team, status, new, now, details)
 return new
 """
 )
+
+
+@dataclass(frozen=True)
+class SubmitLimits:
+    """The team's limits a submission is checked against, atomically with the write (0: none)."""
+
+    queued_jobs: int = 0
+    submissions_per_minute: int = 0
+
+
+RETRY_AFTER_QUEUED_SECONDS = 30
+"""When to try again after the queued-jobs limit: about when some of the team's jobs have started."""
+
+
+def quota_error(limit: str, detail: str, limits: SubmitLimits, jobs: int) -> QuotaExceeded:
+    """The 429 of a submission the submit script refused, naming the limit and where it is set."""
+    if limit == "queued_jobs":
+        return QuotaExceeded(
+            limit,
+            f"your team has {detail} queued jobs; {jobs} more would pass its limit of {limits.queued_jobs} "
+            f"(queued_jobs; {limit_source(limit)}). Retry once some have started, or cancel some",
+            RETRY_AFTER_QUEUED_SECONDS,
+        )
+    return QuotaExceeded(
+        limit,
+        f"your team submitted its {limits.submissions_per_minute} jobs a minute (submissions_per_minute; "
+        f"{limit_source(limit)}); retry in {detail} s",
+        int(detail),
+    )
 
 
 @dataclass(frozen=True)
@@ -183,12 +229,21 @@ class JobStore:
         self._progress = redis.register_script(_PROGRESS)
         self._finish = redis.register_script(_FINISH)
 
-    async def submit(self, team: str, request: JobRequest, idempotency_key: str | None = None) -> Submission:
+    async def submit(
+        self,
+        team: str,
+        request: JobRequest,
+        idempotency_key: str | None = None,
+        *,
+        limits: SubmitLimits | None = None,
+    ) -> Submission:
         """Store and enqueue one job per keep ratio, or return the job an earlier identical submission made.
 
         Without an Idempotency-Key the request body itself is the key, except that a failed or
-        cancelled job is not handed back: submitting it again is how one retries it.
+        cancelled job is not handed back: submitting it again is how one retries it. A replay is
+        never refused; a new submission beyond `limits` raises QuotaExceeded and writes nothing.
         """
+        limits = limits or SubmitLimits()
         now = time.time()
         if idempotency_key is not None:
             mode, digest = "explicit", request_digest(request, with_priority=True)
@@ -207,6 +262,8 @@ class JobStore:
             self.idempotency_ttl_seconds,
             repr(now),
             len(ids),
+            limits.queued_jobs,
+            limits.submissions_per_minute,
         ]
         stored = []
         for job_id, ratio in zip(ids, ratios, strict=True):
@@ -221,9 +278,11 @@ class JobStore:
                 "progress": Progress().model_dump_json(),
                 "linked": json.dumps([other for other in ids if other != job_id]),
             }
-            args += [job_id, self.keys.queue(request.priority), json.dumps(fields)]
+            args += [job_id, json.dumps(fields)]
             stored.append(fields)
-        outcome, job_id = await self._submit(args=args)
+        outcome, job_id, *detail = await self._submit(args=args)
+        if outcome == "quota":  # job_id is the limit's name here
+            raise quota_error(job_id, detail[0], limits, len(ids))
         if outcome == "conflict":
             raise IdempotencyConflict(job_id)
         if outcome == "created":  # answer from what was written: no second round trip

@@ -16,6 +16,7 @@ from service.redis_client import connect
 from service.retry import RetryPolicy
 from service.settings import Settings
 from service.store import ObjectStore, store_for
+from service.teams import TeamPolicies
 
 
 @dataclass
@@ -25,18 +26,22 @@ class Services:
     jobs: JobStore
     queue: Queue
     store: ObjectStore
+    teams: TeamPolicies
 
     @classmethod
     def open(cls, settings: Settings, store: ObjectStore | None = None) -> Services:
-        """Build the clients; nothing is contacted yet, so this works while Redis is down."""
+        """Build the clients; nothing is contacted yet, so this works while Redis is down.
+        Raises ValueError for an unusable FTC_TEAMS."""
+        teams = TeamPolicies.from_settings(settings)
         redis = connect(settings)
         keys = Keys(settings.key_prefix)
         return cls(
             settings=settings,
             redis=redis,
             jobs=JobStore(redis, keys, idempotency_ttl_seconds=settings.idempotency_ttl_seconds),
-            queue=Queue(redis, keys, RetryPolicy.from_settings(settings)),
+            queue=Queue(redis, keys, RetryPolicy.from_settings(settings), teams),
             store=store or store_for(settings),
+            teams=teams,
         )
 
     async def close(self) -> None:

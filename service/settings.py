@@ -52,7 +52,28 @@ class Settings(BaseSettings):
         "stream is tokens x hidden float32 values per copy (16 GiB at this default for hidden 4096).",
     )
     max_streams_per_team: int = Field(
-        1000, ge=1, description="Open event streams one team may hold on one API process; 429 beyond."
+        1000, ge=1, description="Open event streams one team may hold over all API processes; 429 beyond."
+    )
+    teams: str = Field(
+        "",
+        description="Per-team weights, quotas and the right to priority high: a JSON object or the path of a "
+        "JSON file (service/teams.py).",
+    )
+    quota_queued_jobs: int = Field(1000, ge=0, description="Queued jobs one team may have at once; 0: no limit.")
+    quota_running_jobs: int = Field(
+        0, ge=0, description="Jobs of one team workers run at once (the rest wait their turn); 0: no limit."
+    )
+    quota_submissions_per_minute: int = Field(
+        600, ge=0, description="Job submissions one team may make a minute (bursts up to this many); 0: no limit."
+    )
+    quota_upload_bytes: int = Field(
+        10 * 1024**3, ge=0, description="Total bytes of one team's calibration uploads; 0: no limit."
+    )
+    quota_sweeps: int = Field(
+        50, ge=0, description="Sweeps one team may have live (scheduled, or with a run under way); 0: no limit."
+    )
+    quota_min_schedule_seconds: int = Field(
+        3600, ge=0, description="Shortest gap between two runs of a sweep's schedule; 0: any."
     )
     log_format: Literal["text", "json"] = Field(
         "text", description="text: `time LEVEL logger: message` lines; json: one JSON object a line (service/logs.py)."

@@ -48,7 +48,7 @@ async def consistency_report(services: Services, team: str) -> dict[str, int]:
         "indexed": len(ids),
         "complete": complete,
         "queued_index": await services.redis.zcard(keys.team_status(team, "queued")),
-        "queue_entries": await services.redis.xlen(keys.queue("normal")),
+        "queue_entries": await services.redis.xlen(keys.queue("normal", team)),
         "queued_counter": (await services.jobs.status_counts())["queued"],
         "hashes": len(
             [

@@ -36,7 +36,7 @@ def test_submit_writes_record_indexes_queue_entry_and_counters(settings: Setting
         keys = s.jobs.keys
         assert await s.redis.zrange(keys.team_jobs("team-a"), 0, -1) == [record.id]
         assert await s.redis.zrange(keys.team_status("team-a", "queued"), 0, -1) == [record.id]
-        entries = await s.redis.xrange(keys.queue("normal"))
+        entries = await s.redis.xrange(keys.queue("normal", "team-a"))
         assert [fields["job"] for _, fields in entries] == [record.id]
         assert (await s.jobs.status_counts())["queued"] == 1
         assert await s.queue.depth() == {"high": 0, "normal": 1, "low": 0}

@@ -72,17 +72,17 @@ def test_a_blocked_claim_wakes_up_for_a_new_job_and_times_out_without_one(settin
     run_async(settings, work)
 
 
-def test_a_job_cancelled_after_delivery_is_skipped_and_acknowledged(settings: Settings) -> None:
+def test_entries_of_cancelled_or_vanished_jobs_are_skipped_and_acknowledged(settings: Settings) -> None:
     async def work(s: Services) -> None:
-        await s.queue.ensure_group()
-        job_id = await submit(s.jobs)
-        stream = s.jobs.keys.queue("normal")
-        # A worker read the entry, then the job was cancelled before the worker took it.
-        [[_, [(entry, _fields)]]] = await s.redis.xreadgroup("workers", "w1", {stream: ">"}, count=1)
-        await s.jobs.cancel("team-a", job_id)
-        assert await s.queue._take(stream, "w1", entry, job_id) is None
-        assert (await s.redis.xpending(stream, "workers"))["pending"] == 0
-        assert (await s.jobs.require("team-a", job_id)).status == "cancelled"
+        cancelled, vanished, live = [await submit(s.jobs, seed) for seed in range(3)]
+        await s.jobs.cancel("team-a", cancelled)
+        await s.redis.delete(s.jobs.keys.job(vanished))  # its record expired or was removed while queued
+        assert (await s.queue.claim("w1", block_ms=0)).job_id == live
+        assert await s.queue.claim("w1", block_ms=0) is None
+        stream = s.jobs.keys.queue("normal", "team-a")
+        assert (await s.redis.xpending(stream, "workers"))["pending"] == 1  # only the live job's lease
+        assert await s.redis.xlen(stream) == 1
+        assert (await s.jobs.require("team-a", cancelled)).status == "cancelled"
 
     run_async(settings, work)
 
@@ -165,11 +165,14 @@ def test_the_janitor_loop_redelivers_until_stopped(settings: Settings) -> None:
 
 def test_the_consumer_group_is_recreated_when_redis_lost_it(settings: Settings) -> None:
     async def work(s: Services) -> None:
-        await s.queue.ensure_group()
-        await s.redis.delete(*s.jobs.keys.queues())  # as after a restart without persistence
-        assert await s.queue.claim("w1", block_ms=0) is None
-        job_id = await submit(s.jobs)
-        assert (await s.queue.claim("w1", block_ms=0)).job_id == job_id
+        await submit(s.jobs, 1)
+        stream = s.jobs.keys.queue("normal", "team-a")
+        await s.redis.xgroup_destroy(stream, "workers")  # as after a restart that kept the stream only
         assert await s.queue.reap() == {}
+        job_id = (await s.queue.claim("w1", block_ms=0)).job_id  # the group is made again, from the start
+        assert (await s.jobs.require("team-a", job_id)).status == "running"
+        await s.redis.delete(stream)  # and without even the stream
+        second = await submit(s.jobs, 2)
+        assert (await s.queue.claim("w1", block_ms=0)).job_id == second
 
     run_async(settings, work)

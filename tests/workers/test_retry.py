@@ -71,7 +71,7 @@ async def _run_until_ended(services: Services, settings, job_id: str, reap_every
 
 
 async def _pending(services: Services) -> int:
-    counts = [await services.redis.xpending(stream, CONSUMER_GROUP) for stream in services.queue.keys.queues()]
+    counts = [await services.redis.xpending(stream, CONSUMER_GROUP) for stream in await services.queue.streams()]
     return sum(int(c["pending"]) for c in counts)
 
 
