@@ -1,13 +1,13 @@
-"""A small synchronous client of the job API, used by the `ftc submit` and `ftc jobs` commands."""
+"""A small synchronous client of the job API, used by the `ftc submit`, `ftc jobs` and `ftc sweep` commands."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
@@ -62,6 +62,39 @@ class ApiClient:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._request("DELETE", f"/v1/jobs/{job_id}")
 
+    def retry(self, job_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/v1/jobs/{job_id}/retry")
+
+    def artifacts(self, job_id: str, include_checkpoints: bool = False) -> dict[str, Any]:
+        params = {"include": "checkpoints"} if include_checkpoints else None
+        return self._request("GET", f"/v1/jobs/{job_id}/artifacts", params=params)
+
+    def stream_to(self, url: str, sink: BinaryIO, on_bytes: Callable[[int], None] = lambda n: None) -> int:
+        """Write what `url` answers into `sink`; returns the bytes written.
+
+        A URL of this API is fetched with the key; any other (a presigned store link) without it,
+        since a store refuses a request that carries a second credential."""
+        ours = url.startswith(self.base_url + "/") or url.startswith("/")
+        http = self.http if ours else httpx.Client(timeout=self.http.timeout)
+        written = 0
+        try:
+            with http.stream("GET", url) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    shown = url if ours else url.split("?", 1)[0]
+                    raise ApiError(f"GET {shown} answered {response.status_code}: {_reason(response)}")
+                for chunk in response.iter_bytes():
+                    sink.write(chunk)
+                    written += len(chunk)
+                    on_bytes(len(chunk))
+        except httpx.HTTPError as error:
+            where = f"reach the job API at {self.base_url}" if ours else f"download {url.split('?', 1)[0]}"
+            raise ApiError(f"cannot {where}: {error}") from None
+        finally:
+            if not ours:
+                http.close()
+        return written
+
     def upload(self, path: Path) -> dict[str, Any]:
         with open(path, "rb") as body:
             return self._request("POST", "/v1/uploads", params={"filename": path.name}, content=body)
@@ -84,21 +117,6 @@ class ApiClient:
 
     def sweep_files(self, sweep_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/sweeps/{sweep_id}/files")
-
-    def download_sweep_file(self, sweep_id: str, name: str, out: Path) -> int:
-        """Stream one of the sweep's files to `out`; returns its size."""
-        path = f"/v1/sweeps/{sweep_id}/files/{name}"
-        try:
-            with self.http.stream("GET", path) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise ApiError(f"GET {path} answered {response.status_code}: {_reason(response)}")
-                with open(out, "wb") as sink:
-                    for chunk in response.iter_bytes():
-                        sink.write(chunk)
-        except httpx.HTTPError as error:
-            raise ApiError(f"cannot reach the job API at {self.base_url}: {error}") from None
-        return out.stat().st_size
 
     def events(self, job_id: str, reconnects: int = 5) -> Iterator[tuple[str, dict[str, Any]]]:
         """(event type, data) pairs until the job's final status; reconnects where it left off."""

@@ -8,42 +8,28 @@ line and exit code 2 on failure).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cli.client import ApiClient
-from cli.common import (
-    EXIT_JOB_UNSUCCESSFUL,
-    add_calibration_and_eval_flags,
-    add_priority_flag,
-    calibration_and_eval,
-    client_command,
-    csv,
-    fail,
-    print_json,
-    ratios,
-)
+from cli.common import EXIT_JOB_UNSUCCESSFUL, UsageError, client_command, fail, print_json
+from cli.download import Remote, human_bytes, save_file, save_folder
+from cli.fields import add_flags, check_request, flags_of, pending_upload, request_from
+from service.sweeps import SweepRequest
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 
+SWEEP_FLAGS = flags_of(SweepRequest, skip=frozenset({("eval", "dense_reference")}))
+"""`ftc sweep create`'s request flags: one per field of the API's sweep request, but
+`eval.dense_reference`, which a sweep sets itself (once per model)."""
 
-def _ablation_sets(text: str) -> list[list[str]]:
-    """`none;no_whiten;no_whiten,fixed_ranks` -> [[], ["no_whiten"], ["no_whiten", "fixed_ranks"]]."""
-    return [[] if part.strip() in ("", "none") else csv(part) for part in text.split(";")]
 
-
-def build_sweep_request(args: argparse.Namespace, upload) -> dict[str, Any]:
+def build_sweep_request(args: argparse.Namespace, upload: Callable[[Path], str]) -> dict[str, Any]:
     """The JSON sweep request the flags describe; flags left out keep the server's defaults."""
-    request: dict[str, Any] = {"models": csv(args.models), "ratios": args.ratios}
-    if args.methods:
-        request["methods"] = csv(args.methods)
-    if args.ablations is not None:
-        request["ablations"] = _ablation_sets(args.ablations)
-    for field in ("name", "schedule", "timezone", "priority", "change_threshold"):
-        if getattr(args, field) is not None:
-            request[field] = getattr(args, field)
-    return request | calibration_and_eval(args, upload)
+    return request_from(args, SWEEP_FLAGS, upload)
 
 
 def _run_line(run: dict[str, Any]) -> str:
@@ -54,7 +40,10 @@ def _run_line(run: dict[str, Any]) -> str:
 
 @client_command
 def _create(client: ApiClient, args: argparse.Namespace) -> int:
-    print_json(client.create_sweep(build_sweep_request(args, upload=lambda path: client.upload(path)["uri"])))
+    check_request(SweepRequest, build_sweep_request(args, pending_upload), SWEEP_FLAGS)  # before any upload
+    record = client.create_sweep(build_sweep_request(args, upload=lambda path: client.upload(path)["uri"]))
+    print_json(record)
+    print(f"next: ftc sweep watch {record['id']}, then: ftc sweep download {record['id']}", file=sys.stderr)
     return 0
 
 
@@ -96,11 +85,54 @@ def _files(client: ApiClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_files(client: ApiClient, sweep_id: str, run_id: str | None) -> list[Remote]:
+    """The report of the latest finished run (the sweep folder's top files) or of `run_id`
+    (runs/RUN/), named as within that folder."""
+    folder = "" if run_id is None else f"runs/{run_id}/"
+    listed = client.sweep_files(sweep_id)["files"]
+    chosen = [f for f in listed if ("/" not in f["name"] if run_id is None else f["name"].startswith(folder))]
+    return [Remote(f["name"].removeprefix(folder), f["size"], f["url"]) for f in chosen]
+
+
+def _cell_models(client: ApiClient, sweep_id: str, run_id: str | None) -> list[Remote]:
+    """Every succeeded cell's model folder, under models/{job_id}/."""
+    run = client.get_sweep(sweep_id, run=run_id)["run"] or {"cells": []}
+    files = []
+    for cell in run["cells"]:
+        if cell["status"] != "succeeded":
+            continue
+        listing = client.artifacts(cell["job_id"])
+        files += [Remote(f"models/{cell['job_id']}/{a['name']}", a["size"], a["url"])
+                  for a in listing["artifacts"] if a["kind"] in ("model", "record")]
+    return files
+
+
 @client_command
 def _download(client: ApiClient, args: argparse.Namespace) -> int:
-    out = Path(args.out or args.name.rsplit("/", 1)[-1])
-    size = client.download_sweep_file(args.sweep_id, args.name, out)
-    print(f"{out} ({size} bytes)")
+    """One file (NAME) to -o, or the run's whole report (and on request its models) into --to."""
+    if args.name is not None:
+        if args.to or args.include or args.run:
+            raise UsageError("NAME downloads one file (to -o); --to, --run and --include are for the whole report")
+        listed = {f["name"]: f for f in client.sweep_files(args.sweep_id)["files"]}
+        if args.name not in listed:
+            raise UsageError(f"sweep {args.sweep_id} has no file {args.name!r}; see: ftc sweep files {args.sweep_id}")
+        item = listed[args.name]
+        out = Path(args.out or args.name.rsplit("/", 1)[-1])
+        size = save_file(client, Remote(args.name, item["size"], item["url"]), out, quiet=args.quiet)
+        print(f"{out} ({size} bytes)")
+        return 0
+    if args.out:
+        raise UsageError("-o names the file NAME is saved as; for the whole report give --to DIR")
+    files = _report_files(client, args.sweep_id, args.run)
+    if not files:
+        which = f"run {args.run}" if args.run else "any run"
+        raise UsageError(f"sweep {args.sweep_id} has no report for {which} yet; the scheduler writes it once every "
+                         f"cell has ended (ftc sweep watch {args.sweep_id})")
+    if args.include:
+        files += _cell_models(client, args.sweep_id, args.run)
+    to = Path(args.to or args.sweep_id)
+    size = save_folder(client, files, to, overwrite=args.overwrite, quiet=args.quiet)
+    print(f"{to} ({len(files)} files, {human_bytes(size)})")
     return 0
 
 
@@ -140,19 +172,7 @@ SWEEP_ID_HELP = "the sweep's id, as `ftc sweep create` or `ftc sweep ls` print i
 
 
 def _add_create_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", required=True, help="comma-separated model aliases or hub ids")
-    parser.add_argument("--ratios", required=True, type=ratios, help="keep ratios, e.g. 0.8,0.6,0.4,0.2")
-    parser.add_argument("--methods", help="comma-separated, e.g. ftc,svd_llm (default ftc)")
-    parser.add_argument(
-        "--ablations",
-        help="FTC variants separated by ';', components by ',' ('none' = plain FTC): none;no_whiten,fixed_ranks",
-    )
-    add_calibration_and_eval_flags(parser)
-    parser.add_argument("--schedule", help="cron expression, e.g. '0 2 * * *' (default: run once, now)")
-    parser.add_argument("--timezone", help="IANA time zone of the schedule (default UTC)")
-    parser.add_argument("--name", help="a label for people, e.g. nightly")
-    add_priority_flag(parser)
-    parser.add_argument("--change-threshold", type=float, help="relative change reported as better/worse (0.02)")
+    add_flags(parser, SWEEP_FLAGS)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -185,10 +205,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action.add_argument("sweep_id", help=SWEEP_ID_HELP)
         action.set_defaults(func=func)
 
-    download = actions.add_parser("download", help="save one of the sweep's files")
+    download = actions.add_parser(
+        "download", help="save the latest run's report (tables, plots) into a folder, or one file NAME"
+    )
     download.add_argument("sweep_id", help=SWEEP_ID_HELP)
-    download.add_argument("name", help="a name from `ftc sweep files`, e.g. results.csv or runs/RUN/plot.png")
-    download.add_argument("-o", "--out", help="where to write it (default: its file name, here)")
+    download.add_argument("name", nargs="?",
+                          help="one file from `ftc sweep files`, e.g. results.csv or runs/RUN/plot.png "
+                               "(default: the whole report)")
+    download.add_argument("-o", "--out", help="where to write NAME (default: its file name, here)")
+    download.add_argument("--to", help="folder for the whole report (default: the sweep's id, here)")
+    download.add_argument("--run", help="a run id (default: the latest run with a report)")
+    download.add_argument("--include", choices=("models",),
+                          help="models: also every succeeded cell's model folder, under models/JOB_ID/ "
+                               "(default: the report only)")
+    download.add_argument("--overwrite", action="store_true", help="replace a non-empty --to")
+    download.add_argument("--quiet", action="store_true", help="no progress bar")
     download.set_defaults(func=_download)
 
     watch = actions.add_parser("watch", help="follow a run until it ends and its report is written")

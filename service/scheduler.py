@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from service.leader import LeaderLock
 from service.redis_client import REDIS_DOWN_ERRORS
 from service.reports import write_report
+from service.retention import purge_due
 from service.runtime import Services
 from service.settings import Settings
 from service.sweeps import SweepCancelled, SweepRequest, SweepStore
@@ -41,10 +42,12 @@ Clock = Callable[[], float]
 
 @dataclass
 class Pass:
-    """What one pass did: runs started by a slot, and runs whose report was written."""
+    """What one pass did: runs started by a slot, runs whose report was written, and job folders
+    whose checkpoints were deleted (FTC_KEEP_CHECKPOINTS, service/retention.py)."""
 
     fired: list[tuple[str, str]] = field(default_factory=list)
     reported: list[tuple[str, str]] = field(default_factory=list)
+    purged: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -111,7 +114,9 @@ class Scheduler:
 
     async def tick(self) -> Pass:
         """One pass of the active scheduler (the caller holds the lock)."""
-        return Pass(fired=await self.fire_due(), reported=await self.report_finished())
+        purged = await purge_due(self.services.redis, self.services.store, self.services.settings.key_prefix,
+                                 self.clock())
+        return Pass(fired=await self.fire_due(), reported=await self.report_finished(), purged=purged)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take or wait for the lock, and make a pass every `interval_seconds` while holding it."""

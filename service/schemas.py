@@ -23,6 +23,7 @@ from pydantic import (
 
 from ftc.hub import parse_hub_id
 from ftc.options import (
+    ABLATIONS,
     ALLOCATIONS,
     DATASETS,
     METHODS,
@@ -154,14 +155,18 @@ class _Strict(BaseModel):
 
 class Calibration(_Strict):
     dataset: DatasetName = Field("wikitext2", description="A built-in dataset name or an upload URI.")
-    samples: int = Field(64, ge=1, le=4096, strict=True, description="Calibration sequences.")
+    # 32, as `ftc compress` (ftc.compress.CompressOptions.calib_samples): one default everywhere
+    samples: int = Field(32, ge=1, le=4096, strict=True, description="Calibration sequences.")
     seq_len: int = Field(512, ge=16, le=16384, strict=True, description="Tokens per calibration sequence.")
-    seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)
+    seed: int = Field(0, ge=0, le=2**31 - 1, strict=True, description="Seed of the calibration windows' offsets.")
 
 
 class Evaluation(_Strict):
-    datasets: list[DatasetName] = Field(default_factory=lambda: ["wikitext2"], max_length=8)
-    seq_len: int = Field(512, ge=16, le=16384, strict=True)
+    datasets: list[DatasetName] = Field(
+        ["wikitext2"], max_length=8,
+        description="Datasets to measure perplexity on: built-in names or upload URIs; empty for none.",
+    )
+    seq_len: int = Field(512, ge=16, le=16384, strict=True, description="Tokens per evaluation window.")
     max_windows: int | None = Field(None, ge=1, le=100_000, strict=True, description="Cap on evaluation windows.")
     # Left out of stored requests when false, so requests (and their idempotency digests) read as before.
     dense_reference: bool = Field(
@@ -173,7 +178,7 @@ class Evaluation(_Strict):
     )
     # Left out of stored requests when unset, like dense_reference.
     tasks: list[str] = Field(
-        default_factory=list,
+        [],
         max_length=len(TASKS) + 1,
         exclude_if=lambda value: not value,
         description=f"Downstream tasks scored with lm-eval: {', '.join(TASKS)}, or avg6 for the paper's six; "
@@ -215,8 +220,10 @@ class JobRequest(_Strict):
     revision: str | None = Field(
         None, pattern=_REVISION_PATTERN, description="A branch, tag or commit of a hub model (or write model@revision)."
     )
-    method: Literal[METHODS] = "ftc"  # type: ignore[valid-type]
-    ablate: list[str] = Field(default_factory=list, description="FTC components to remove (ablations).")
+    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+        "ftc", description="FTC or a baseline (ftc-method.md §11)."
+    )
+    ablate: list[str] = Field([], description=f"FTC components to remove (ablations): {', '.join(ABLATIONS)}.")
     # Left out of stored requests when it is the default, so requests stored before it existed stay equal.
     allocation: Literal[ALLOCATIONS] = Field(  # type: ignore[valid-type]
         "uniform",
@@ -227,12 +234,14 @@ class JobRequest(_Strict):
         "layer compressed alone (methods 'ftc' and 'cp'; §15).",
     )
     ratio: KeepRatio | None = Field(None, description="Keep ratio rho in (0, 1].")
-    ratios: list[KeepRatio] | None = Field(None, min_length=1, max_length=MAX_RATIOS)
+    ratios: list[KeepRatio] | None = Field(
+        None, min_length=1, max_length=MAX_RATIOS, description="Instead of ratio: several, one linked job each."
+    )
     calibration: Calibration = Field(default_factory=Calibration)
     evaluation: Evaluation = Field(default_factory=Evaluation, alias="eval")
     # Left out of stored requests when it is the default, like eval.dense_reference.
     outputs: list[Literal["compressed", "dense"]] = Field(
-        default_factory=lambda: ["compressed"],
+        ["compressed"],
         min_length=1,
         max_length=4,
         exclude_if=lambda value: value == ["compressed"],
@@ -240,7 +249,7 @@ class JobRequest(_Strict):
         "trust_remote_code=True) and optionally 'dense', a stock checkpoint of the base architecture "
         "under dense/ (no custom code needed, no savings at inference).",
     )
-    priority: Priority = "normal"
+    priority: Priority = Field("normal", description="Queue priority: workers take higher priorities first.")
 
     @field_validator("ablate", mode="before")
     @classmethod
@@ -369,8 +378,15 @@ class JobEvent(BaseModel):
 
 
 class Artifact(BaseModel):
-    name: str = Field(..., description="Path under the job's folder, e.g. checkpoints/layer-003.safetensors.")
+    name: str = Field(..., description="Path under the job's folder, e.g. model.safetensors or dense/config.json.")
+    kind: ArtifactKind = Field(
+        ..., description="model: a file of the compressed model folder (what loads); dense: of its dense export "
+        "(dense/); record: metrics.json or log.txt; checkpoint: a per-layer checkpoint (checkpoints/), for resuming."
+    )
     size: int
+ArtifactKind = Literal["model", "dense", "record", "checkpoint"]
+
+
     modified: datetime
     url: str = Field(..., description="A presigned URL (S3) or an API path that streams the file.")
 
@@ -378,7 +394,15 @@ class Artifact(BaseModel):
 class ArtifactList(BaseModel):
     job_id: str
     complete: bool = Field(..., description="True once manifest.json, written last, is there.")
-    artifacts: list[Artifact]
+class CheckpointSummary(BaseModel):
+    files: int = Field(..., description="Checkpoint files in the store (deleted FTC_KEEP_CHECKPOINTS after success).")
+    bytes: int
+
+
+    artifacts: list[Artifact] = Field(
+        ..., description="Outputs first (model, dense, record); checkpoints only with ?include=checkpoints."
+    )
+    checkpoints: CheckpointSummary
 
 
 class Upload(BaseModel):

@@ -19,10 +19,11 @@ import tempfile
 from pathlib import Path
 
 from service.store import ObjectStore
+from service.store.layout import CHECKPOINTS
 
 log = logging.getLogger(__name__)
 
-FOLDER = "checkpoints/"
+FOLDER = CHECKPOINTS
 _LAYER_FILE = re.compile(r"^layer-(\d{3,})\.(json|safetensors)$")
 _STREAM_FILE = re.compile(r"^stream-\d{3,}\.safetensors$")
 

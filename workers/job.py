@@ -24,6 +24,7 @@ from service.errors import LeaseLost
 from service.logs import set_log_context
 from service.queue import Lease
 from service.redis_client import REDIS_DOWN_ERRORS
+from service.retention import after_success, purge_due
 from service.retry import error_kind
 from service.runtime import Services
 from service.store.layout import LOG, job_prefix
@@ -103,9 +104,23 @@ async def run_job(
         job_log.close()
         shutil.rmtree(folder, ignore_errors=True)
     record_outcome(outcome, time.monotonic() - started, failure)
-    if outcome in ENDED:
-        await _record(services, lease, outcome, error, kind)
+    recorded = outcome in ENDED and await _record(services, lease, outcome, error, kind)
+    if recorded and outcome == "succeeded":  # a job left for re-delivery still resumes from them
+        await _retire_checkpoints(services, settings, job_prefix(record.team, record.id))
     return outcome
+
+
+async def _retire_checkpoints(services: Services, settings: WorkerSettings, prefix: str) -> None:
+    """Mark (or delete) the succeeded job's checkpoints, and delete other jobs' that are due.
+
+    Best effort: the job has succeeded whatever happens here. A due folder left over is deleted by a
+    later pass; a job whose mark could not be written keeps its checkpoints (docs/workers.md)."""
+    key_prefix, now = services.settings.key_prefix, time.time()
+    try:
+        await after_success(services.redis, services.store, key_prefix, prefix, settings.keep_checkpoints_seconds, now)
+        await purge_due(services.redis, services.store, key_prefix, now)
+    except Exception as error:
+        log.warning("checkpoints of %s or of earlier jobs not retired (%s)", prefix, error)
 
 
 def _describe(outcome: str) -> str:
@@ -116,8 +131,10 @@ def _describe(outcome: str) -> str:
     }.get(outcome, outcome)
 
 
-async def _record(services: Services, lease: Lease, status: str, error: str | None, kind: str | None) -> None:
-    """Finish the record, then acknowledge; Redis restarts are waited out for up to a lease."""
+async def _record(services: Services, lease: Lease, status: str, error: str | None, kind: str | None) -> bool:
+    """Finish the record, then acknowledge; Redis restarts are waited out for up to a lease.
+
+    Returns whether the record now says how the job ended (else it will be re-delivered)."""
     policy = services.queue.policy
     loop = asyncio.get_running_loop()
     deadline = loop.time() + policy.lease_seconds
@@ -126,14 +143,14 @@ async def _record(services: Services, lease: Lease, status: str, error: str | No
         try:
             await services.jobs.finish(lease.job_id, lease.worker, status, error, kind)
             await services.queue.ack(lease)
-            return
+            return True
         except LeaseLost as lost:
             log.warning("could not record %s: %s", status, lost)
-            return
+            return False
         except REDIS_DOWN_ERRORS as down:
             failures += 1
             delay = policy.redis_delay(failures)
             if loop.time() + delay > deadline:
                 log.error("could not record %s for job %s (%s); it will be re-delivered", status, lease.job_id, down)
-                return
+                return False
             await asyncio.sleep(delay)

@@ -19,7 +19,7 @@ from typing import Any
 from ftc.artifact import MANIFEST
 from service.artifacts import media_type
 from service.store import ObjectStore
-from service.store.layout import METRICS
+from service.store.layout import DENSE, METRICS
 
 
 def _sha256(path: Path) -> str:
@@ -37,10 +37,6 @@ def upload_artifact(store: ObjectStore, job_prefix: str, folder: Path) -> dict[s
         store.put_file(job_prefix + path.name, path, media_type(path.name))
         files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     return files
-
-
-DENSE = "dense/"
-"""Where a job's dense export goes, beside the artifact files."""
 
 
 def upload_outputs(store: ObjectStore, job_prefix: str, folder: Path, outputs: list[str]) -> dict[str, dict[str, Any]]:

@@ -11,8 +11,9 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from service.retention import parse_keep
 from service.settings import Settings
 
 
@@ -43,3 +44,20 @@ class WorkerSettings(Settings):
         description='Custom Ray resources each worker actor needs, as JSON (e.g. {"ftc_worker_node": 1}): the '
         "actors then run only on nodes started with them (`ray start --resources`), e.g. one node pool.",
     )
+    keep_checkpoints: str = Field(
+        "7d",
+        description="How long a succeeded job's per-layer checkpoints stay in the object store: a duration "
+        "(0, 3600, 90m, 12h, 7d; 0 deletes them when the job is published) or 'forever'. Deleted by the "
+        "workers after each job and by `ftc scheduler` on every pass.",
+    )
+
+    @field_validator("keep_checkpoints")
+    @classmethod
+    def _a_duration(cls, value: str) -> str:
+        parse_keep(value)
+        return value
+
+    @property
+    def keep_checkpoints_seconds(self) -> float | None:
+        """`keep_checkpoints` in seconds; None keeps them forever."""
+        return parse_keep(self.keep_checkpoints)

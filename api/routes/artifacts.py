@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, HTTPException, Path, Request, status
+from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 from fastapi.responses import StreamingResponse
 
 from api.deps import AppSettings, Jobs, Store, Team
@@ -24,15 +24,26 @@ router = APIRouter(prefix="/v1/jobs", tags=["artifacts"], responses=documented(4
     response_model=ArtifactList,
 )
 async def get_artifacts(
-    job_id: JobId, team: Team, jobs: Jobs, store: Store, settings: AppSettings, request: Request
+    job_id: JobId,
+    team: Team,
+    jobs: Jobs,
+    store: Store,
+    settings: AppSettings,
+    request: Request,
+    include: Annotated[
+        Literal["checkpoints"] | None, Query(description="checkpoints: list the per-layer checkpoints too")
+    ] = None,
 ) -> ArtifactList:
-    """What the job has written so far; `complete` once its manifest is there."""
+    """What the job has written so far, outputs first; `complete` once its manifest is there.
+    Checkpoints are counted in `checkpoints` and listed only with `?include=checkpoints`."""
     await jobs.require(team, job_id)
 
     def stream_url(name: str) -> str:
         return str(request.url_for("download_artifact", job_id=job_id, name=name))
 
-    return await asyncio.to_thread(list_artifacts, store, team, job_id, stream_url, settings.presign_seconds)
+    return await asyncio.to_thread(
+        list_artifacts, store, team, job_id, stream_url, settings.presign_seconds, include == "checkpoints"
+    )
 
 
 @router.get(

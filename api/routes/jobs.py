@@ -41,7 +41,7 @@ def _json(record: JobRecord, code: int, headers: dict[str, str] | None = None) -
     response_model=JobRecord,
     responses={
         200: {"model": JobRecord, "description": "An earlier submission with this Idempotency-Key (or body)"},
-        **documented(400, 409),
+        **documented(400, 403, 409, 429),
     },
 )
 async def submit_job(
@@ -93,3 +93,23 @@ async def cancel_job(job_id: JobId, team: Team, jobs: Jobs) -> Response:
             f"job {job_id} already {cancellation.outcome}; there is nothing to cancel",
         )
     return _json(cancellation.record, status.HTTP_200_OK)
+
+
+@router.post(
+    "/{job_id}/retry",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobRecord,
+    responses={
+        200: {"model": JobRecord, "description": "The job was retried before: its live retry"},
+        **documented(404, 409),
+    },
+)
+async def retry_job(job_id: JobId, team: Team, jobs: Jobs, store: Store, settings: AppSettings) -> Response:
+    """Submit a failed or cancelled job's request again, as a new job (the answer, with its
+    `Location`). Retrying the same job twice returns the live retry, as an identical submission does."""
+    record = await jobs.require(team, job_id)
+    if record.status not in ("failed", "cancelled"):
+        reason = "it has not ended yet; cancel it first" if record.status in ("queued", "running") else (
+            "its results are there; download them")
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is {record.status}: nothing to retry ({reason})")
+    return await submit_job(record.request, team, jobs, store, settings, None)

@@ -4,7 +4,8 @@
 {team}/jobs/{job_id}/model.safetensors
 {team}/jobs/{job_id}/metrics.json
 {team}/jobs/{job_id}/log.txt
-{team}/jobs/{job_id}/checkpoints/layer-XXX.safetensors
+{team}/jobs/{job_id}/dense/...                 the dense export, when the job asked for it
+{team}/jobs/{job_id}/checkpoints/layer-XXX.safetensors   deleted FTC_KEEP_CHECKPOINTS after success
 {team}/uploads/{upload_id}/{filename}         calibration files sent with POST /v1/uploads
 """
 
@@ -16,6 +17,10 @@ MANIFEST = "manifest.json"
 MODEL = "model.safetensors"
 METRICS = "metrics.json"
 LOG = "log.txt"
+CHECKPOINTS = "checkpoints/"
+"""Per-layer checkpoints an attempt resumes from, under the job's folder."""
+DENSE = "dense/"
+"""The dense export (a stock checkpoint), under the job's folder."""
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 FILENAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$"
@@ -35,7 +40,7 @@ def job_prefix(team: str, job_id: str) -> str:
 
 
 def checkpoint_name(layer: int) -> str:
-    return f"checkpoints/layer-{layer:03d}.safetensors"
+    return f"{CHECKPOINTS}layer-{layer:03d}.safetensors"
 
 
 def uploads_prefix(team: str) -> str:

@@ -72,13 +72,15 @@ class SweepRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str | None = Field(None, min_length=1, max_length=100, description="A label for people, e.g. 'nightly'.")
-    models: list[ModelName] = Field(..., min_length=1, max_length=MAX_MODELS)
-    ratios: list[KeepRatio] = Field(..., min_length=1, max_length=MAX_RATIOS)
+    models: list[ModelName] = Field(
+        ..., min_length=1, max_length=MAX_MODELS, description="Model aliases or hub ids, as in a job request."
+    )
+    ratios: list[KeepRatio] = Field(..., min_length=1, max_length=MAX_RATIOS, description="Keep ratios rho in (0, 1].")
     methods: list[Literal[METHODS]] = Field(  # type: ignore[valid-type]
-        default_factory=lambda: ["ftc"], min_length=1, max_length=len(METHODS)
+        ["ftc"], min_length=1, max_length=len(METHODS), description="Methods, each one line of the table."
     )
     ablations: list[AblationSet] = Field(
-        default_factory=lambda: [[]],
+        [[]],
         min_length=1,
         max_length=MAX_ABLATION_SETS,
         description="FTC variants: each set of removed components is one more FTC line; [] is plain FTC.",
@@ -91,7 +93,7 @@ class SweepRequest(BaseModel):
         description="A five-field cron expression (or @daily, @hourly, ...); runs fire at those times.",
     )
     timezone: str = Field("UTC", max_length=64, description="IANA time zone the schedule is read in.")
-    priority: Priority = "normal"
+    priority: Priority = Field("normal", description="Queue priority of every job of the sweep.")
     change_threshold: float = Field(
         0.02,
         gt=0,

@@ -8,6 +8,7 @@ import httpx
 
 from service.store import open_store
 from service.store.layout import checkpoint_name, job_prefix
+from service.uploads import upload_key_for
 from tests.support.service import Api
 
 CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog.\n" * 50
@@ -37,7 +38,8 @@ def test_upload_a_calibration_file_and_submit_a_job_that_uses_it(any_store_api: 
     assert upload["sha256"] == hashlib.sha256(CALIBRATION_TEXT.encode()).hexdigest()
     settings = any_store_api.settings
     store = open_store(settings.store_url, settings.s3_endpoint_url)
-    assert store.get_bytes(store.key_for_uri(upload["uri"])).decode() == CALIBRATION_TEXT
+    assert upload["uri"].startswith("upload://upl_") and upload["uri"].endswith("/calib.txt")  # no server path
+    assert store.get_bytes(upload_key_for(store, "team-a", upload["uri"])).decode() == CALIBRATION_TEXT
 
     body = {**job_request, "calibration": {**job_request["calibration"], "dataset": upload["uri"]}}
     created = client.post("/v1/jobs", json=body)
@@ -69,22 +71,30 @@ def test_uploads_that_cannot_be_calibration_text_are_refused(api_factory) -> Non
 def test_artifacts_are_listed_and_downloadable(any_store_api: Api, job_request: dict) -> None:
     client = any_store_api.client("team-a")
     job_id = client.post("/v1/jobs", json=job_request).json()["id"]
-    assert client.get(f"/v1/jobs/{job_id}/artifacts").json() == {"job_id": job_id, "complete": False, "artifacts": []}
+    empty = {"job_id": job_id, "complete": False, "artifacts": [], "checkpoints": {"files": 0, "bytes": 0}}
+    assert client.get(f"/v1/jobs/{job_id}/artifacts").json() == empty
 
     put_fake_artifacts(any_store_api, "team-a", job_id, finished=False)
     partial = client.get(f"/v1/jobs/{job_id}/artifacts").json()
     assert not partial["complete"]
-    assert [a["name"] for a in partial["artifacts"]] == [
-        "checkpoints/layer-000.safetensors",
-        "checkpoints/layer-001.safetensors",
-        "log.txt",
+    # checkpoints are counted, and listed only on request, after the outputs
+    assert [a["name"] for a in partial["artifacts"]] == ["log.txt"]
+    assert partial["checkpoints"] == {"files": 2, "bytes": len(b"layer zero") + len(b"layer one")}
+    with_checkpoints = client.get(f"/v1/jobs/{job_id}/artifacts", params={"include": "checkpoints"}).json()
+    assert [(a["name"], a["kind"]) for a in with_checkpoints["artifacts"]] == [
+        ("log.txt", "record"),
+        ("checkpoints/layer-000.safetensors", "checkpoint"),
+        ("checkpoints/layer-001.safetensors", "checkpoint"),
     ]
+    assert client.get(f"/v1/jobs/{job_id}/artifacts", params={"include": "everything"}).status_code == 422
 
     files = put_fake_artifacts(any_store_api, "team-a", job_id, finished=True)
-    listing = client.get(f"/v1/jobs/{job_id}/artifacts").json()
+    listing = client.get(f"/v1/jobs/{job_id}/artifacts", params={"include": "checkpoints"}).json()
     assert listing["complete"]
     by_name = {a["name"]: a for a in listing["artifacts"]}
     assert set(by_name) == set(files) | {"manifest.json"}
+    kinds = [a["kind"] for a in listing["artifacts"]]
+    assert kinds == ["model", "model", "record", "record", "checkpoint", "checkpoint"]  # what loads comes first
     for name, data in files.items():
         assert by_name[name]["size"] == len(data)
         url = by_name[name]["url"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cli.client import ApiClient, ApiError
+from cli.download import Remote, save_file
 from cli.sweeps import _add_create_flags, build_sweep_request
 from service.runtime import Services
 from service.scheduler import Scheduler
@@ -97,7 +98,7 @@ def test_errors_are_one_line_and_exit_code_2(cli_api: Api, capsys) -> None:
     assert ftc("sweep", "create", "--models", "org/m", "--ratios", "1.5") == 2
     assert (
         capsys.readouterr().err.strip()
-        == "ftc: error: POST /v1/sweeps answered 422: ratios.0: ratio must be in (0, 1]; got 1.5"
+        == "ftc: error: --ratios: ratio must be in (0, 1]; got 1.5"  # checked before anything is sent
     )
     assert ftc("sweep", "get", "swp_" + "0" * 22) == 2
     assert "answered 404" in capsys.readouterr().err
@@ -140,9 +141,11 @@ def test_the_scheduler_command_refuses_unusable_settings() -> None:
 
 
 def test_client_download_reports_http_errors_without_leaving_a_file(cli_api: Api, tmp_path: Path) -> None:
-    target = tmp_path / "plot.svg"
+    target = tmp_path / "out" / "plot.svg"
+    remote = Remote("plot.svg", 10, f"{cli_api.base_url}/v1/sweeps/swp_x/files/plot.svg")
     with pytest.raises(ApiError, match="answered 401"):
-        ApiClient(cli_api.base_url, api_key="wrong-key-000").download_sweep_file("swp_x", "plot.svg", target)
-    with pytest.raises(ApiError, match="cannot reach"):
-        ApiClient("http://127.0.0.1:9", api_key="k" * 10).download_sweep_file("swp_x", "plot.svg", target)
-    assert not target.exists()
+        save_file(ApiClient(cli_api.base_url, api_key="wrong-key-000"), remote, target, quiet=True)
+    unreachable = Remote("plot.svg", 10, "http://127.0.0.1:9/v1/sweeps/swp_x/files/plot.svg")
+    with pytest.raises(ApiError, match="cannot reach the job API"):
+        save_file(ApiClient("http://127.0.0.1:9", api_key="k" * 10), unreachable, target, quiet=True)
+    assert list(target.parent.iterdir()) == []  # neither the file nor a partial one
