@@ -377,6 +377,9 @@ class JobEvent(BaseModel):
     data: dict[str, Any]
 
 
+ArtifactKind = Literal["model", "dense", "record", "checkpoint"]
+
+
 class Artifact(BaseModel):
     name: str = Field(..., description="Path under the job's folder, e.g. model.safetensors or dense/config.json.")
     kind: ArtifactKind = Field(
@@ -384,21 +387,18 @@ class Artifact(BaseModel):
         "(dense/); record: metrics.json or log.txt; checkpoint: a per-layer checkpoint (checkpoints/), for resuming."
     )
     size: int
-ArtifactKind = Literal["model", "dense", "record", "checkpoint"]
-
-
     modified: datetime
     url: str = Field(..., description="A presigned URL (S3) or an API path that streams the file.")
 
 
-class ArtifactList(BaseModel):
-    job_id: str
-    complete: bool = Field(..., description="True once manifest.json, written last, is there.")
 class CheckpointSummary(BaseModel):
     files: int = Field(..., description="Checkpoint files in the store (deleted FTC_KEEP_CHECKPOINTS after success).")
     bytes: int
 
 
+class ArtifactList(BaseModel):
+    job_id: str
+    complete: bool = Field(..., description="True once manifest.json, written last, is there.")
     artifacts: list[Artifact] = Field(
         ..., description="Outputs first (model, dense, record); checkpoints only with ?include=checkpoints."
     )
