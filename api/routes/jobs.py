@@ -41,7 +41,7 @@ def _json(record: JobRecord, code: int, headers: dict[str, str] | None = None) -
     response_model=JobRecord,
     responses={
         200: {"model": JobRecord, "description": "An earlier submission with this Idempotency-Key (or body)"},
-        **documented(400, 403, 409, 429),
+        **documented(400, 409),
     },
 )
 async def submit_job(
