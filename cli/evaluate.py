@@ -34,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
     from ftc.loading import load_model
     from ftc.models import ModelError, pick_device, resolve_model
     from ftc.tasks import task_file
+    from ftc.weights import check_gguf
 
+    if args.model and args.dir:
+        raise UsageError(f"give an artifact folder or --model, not both (DIR {args.dir} and --model {args.model})")
     spec = args.model or args.dir
     if spec is None:
         raise UsageError("give an artifact folder or --model NAME")
@@ -49,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         task_file(task)
     try:
         source = resolve_model(spec)
+        if source.kind == "gguf":
+            check_gguf(source.path / source.gguf_file)
         device = pick_device(args.device)
         text = load_text(dataset, "test") if dataset else None
     except (ModelError, DatasetError) as exc:

@@ -24,6 +24,9 @@ def run(args: argparse.Namespace) -> int:
     source = Path(args.artifact)
     if not source.is_dir():
         raise UsageError(f"DIR {args.artifact} is not a folder; give an artifact folder written by 'ftc compress'")
+    if (source / "config.json").is_file() and not (source / "manifest.json").is_file():
+        raise UsageError(f"DIR {args.artifact} is a model folder (config.json) but not a compressed artifact (no "
+                         "manifest.json); export reads what 'ftc compress' writes, and a dense folder needs no export")
     try:
         ftc_block(source)
     except InputError as exc:

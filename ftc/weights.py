@@ -135,10 +135,26 @@ class ModuleSource:
         return sum(t.numel() * t.element_size() for t in self._state.values())
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf(path: Path) -> None:
+    """A file named .gguf must be one: anything else would end deep in transformers' reader."""
+    try:
+        with open(path, "rb") as file:
+            magic = file.read(len(GGUF_MAGIC))
+    except OSError as error:
+        raise InputError(f"cannot read {path}: {error.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise InputError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF'); give a .gguf "
+                         "file written by llama.cpp's converter, or a Hugging Face folder")
+
+
 def load_config(source: ModelSource):
     from transformers import AutoConfig
 
     if source.kind == "gguf":
+        check_gguf(source.path / source.gguf_file)
         config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
     else:
         config = AutoConfig.from_pretrained(source.path)

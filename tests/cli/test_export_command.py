@@ -35,7 +35,9 @@ def test_export_writes_a_dense_checkpoint_and_refuses_to_overwrite(tiny_artifact
 
 
 def test_a_folder_that_is_not_an_artifact_is_refused(tiny_folder, tmp_path):
-    _one_error_line(run(str(tiny_folder("gqa")), "--out", str(tmp_path / "o")), "not an ftc artifact")
+    _one_error_line(run(str(tiny_folder("gqa")), "--out", str(tmp_path / "o")),  # a dense folder: config.json
+                    "is a model folder (config.json) but not a compressed artifact (no manifest.json)")
+    _one_error_line(run(str(tmp_path), "--out", str(tmp_path / "o")), "not an ftc artifact")
     _one_error_line(run(str(tmp_path / "missing"), "--out", str(tmp_path / "o")), "not a folder")
     assert not (tmp_path / "o").exists()
 
