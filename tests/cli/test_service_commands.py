@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from cli.main import main
+from cli.service import addresses
 from service.schemas import Progress
 from tests.support.servers import free_port, wait_until
 from tests.support.service import API_KEYS, TEAM_KEYS, Api
@@ -54,7 +55,9 @@ SUBMIT = [
 
 def test_submit_prints_the_record_and_jobs_get_ls_cancel_use_it(cli_api: Api, capsys) -> None:
     assert ftc(*SUBMIT, "--ratio", "0.4", "--priority", "high", "--ablate", "no_whiten") == 0
-    record = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    record = json.loads(out)
+    assert err.strip() == f"next: ftc jobs watch {record['id']}, then: ftc jobs download {record['id']}"
     assert (record["status"], record["priority"], record["request"]["ablate"]) == ("queued", "high", ["no_whiten"])
     assert record["request"]["calibration"] == {"dataset": "wikitext2", "samples": 8, "seq_len": 256, "seed": 0}
     assert record["request"]["eval"] == {"datasets": ["wikitext2"], "seq_len": 256, "max_windows": 4}
@@ -136,6 +139,15 @@ def test_an_unreachable_api_or_a_bad_key_is_reported_not_raised(
     assert "401: unknown API key" in capsys.readouterr().err
 
 
+def test_serve_addresses_name_the_dashboard_and_the_docs() -> None:
+    assert addresses("0.0.0.0", 8000) == [
+        "ftc API on http://127.0.0.1:8000 (listening on every interface)",
+        "  dashboard  http://127.0.0.1:8000/",
+        "  API docs   http://127.0.0.1:8000/docs",
+    ]
+    assert addresses("::1", 9000)[1] == "  dashboard  http://[::1]:9000/"
+
+
 def test_serve_runs_the_api(service_settings, tmp_path: Path) -> None:
     settings = service_settings()
     port = free_port()
@@ -152,12 +164,16 @@ def test_serve_runs_the_api(service_settings, tmp_path: Path) -> None:
     server = subprocess.Popen(
         [sys.executable, "-c", program, "serve", "--port", str(port)],
         env=env,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200, "ftc serve")
+        said = [server.stdout.readline().strip() for _ in range(3)]
+        assert said == [f"ftc API on http://127.0.0.1:{port}", f"dashboard  http://127.0.0.1:{port}/",
+                        f"API docs   http://127.0.0.1:{port}/docs"]
+        assert httpx.get(f"http://127.0.0.1:{port}/docs").status_code == 200
         listing = httpx.get(
             f"http://127.0.0.1:{port}/v1/jobs", headers={"Authorization": f"Bearer {TEAM_KEYS['team-a']}"}
         )
