@@ -32,7 +32,7 @@ from torch import nn
 
 from .arch import AttentionLayout, layout_of
 from .hf import modeling_ftc
-from .hf.modeling_ftc import FORMAT_VERSION, family, group_name
+from .hf.modeling_ftc import FORMAT_VERSION, RUNTIMES, family, group_name
 from .options import InputError
 from .stored import runtime_values, stored_values, tensor_shapes
 
@@ -308,19 +308,25 @@ def base_config(path: Path):
     return CONFIG_MAPPING[block["base_model_type"]].from_dict(data)
 
 
-def load_artifact(path: Path, compute_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_artifact(path: Path, compute_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                  runtime: str = "speed"):
     """`(model, tokenizer, manifest)` rebuilt from an artifact folder, with no base model needed.
 
     The model is the checkpoint's own compressed class (the one `trust_remote_code` loads),
-    taken from this package rather than from the copy in the folder.
+    taken from this package rather than from the copy in the folder. `runtime` picks the form
+    every group runs in (ftc-method.md §9): `speed` (the default) the cheapest per token for its
+    shapes, `memory` the stored tensors as they are (the smallest resident size, and the only
+    form a loaded model can be saved from). `model.ftc_forms()` lists what each group runs as.
     """
     from transformers import AutoTokenizer
 
+    if runtime not in RUNTIMES:
+        raise InputError(f"runtime must be one of {', '.join(RUNTIMES)}; got {runtime!r}")
     path = Path(path)
     block = ftc_block(path)
     manifest = read_manifest(path)
     _, model_cls = family(block["base_model_type"])
-    model = model_cls.from_pretrained(path, dtype=compute_dtype)
+    model = model_cls.from_pretrained(path, dtype=compute_dtype, ftc_runtime=runtime)
     # the base config tells AutoTokenizer the tokenizer's family, so it never reads the folder's
     # `auto_map` (which would ask, on stdout, whether to run the folder's code)
     tokenizer = (AutoTokenizer.from_pretrained(path, config=base_config(path))

@@ -1,11 +1,12 @@
-"""The stored form of a compressed attention layer (ftc-method.md §9) and the modules it runs as.
+"""The stored form of a compressed layer (ftc-method.md §9) and the modules it runs as.
 
 A layer is a list of *groups*. Each group covers one or more projections and is either
 `tucker` (`U1`, `U2`, and a dense `core` or `core_values` + bit-packed `core_mask`), `cp` (`A`,
 `B`, `C`: the rank-R CP variant) or `lowrank` (`A`, `B`). The compressing process builds its
 modules from these stored tensors through `build_modules`, with the same classes
-(`ftc/hf/modeling_ftc.py`) that the loader and the checkpoint's own remote code use, so a
-reloaded artifact computes exactly what the compressor measured.
+(`ftc/hf/modeling_ftc.py`) that the loader and the checkpoint's own remote code use, in the
+stored form, so an artifact loaded with `runtime="memory"` computes exactly what the compressor
+measured (the default `speed` form, the same within float rounding).
 """
 
 from __future__ import annotations
@@ -62,11 +63,17 @@ def runtime_values(spec: dict, tensors: dict[str, torch.Tensor]) -> int:
     return held_values({**spec, "shapes": tensor_shapes(tensors)})
 
 
-def build_group(spec: dict, tensors: dict[str, torch.Tensor], compute_dtype: torch.dtype) -> FactorGroup:
-    """The runtime module of one stored group, holding exactly its stored tensors."""
+def build_group(spec: dict, tensors: dict[str, torch.Tensor], compute_dtype: torch.dtype,
+                runtime: str = "memory") -> FactorGroup:
+    """The runtime module of one stored group, in the form `runtime` chooses (§9).
+
+    `memory` (the default here) holds exactly the stored tensors and computes what the stored
+    form computes, so the compressor measures what a `memory` load of the artifact runs.
+    """
     group = make_group({**spec, "shapes": tensor_shapes(tensors)})
     group.load_state_dict({k: v.to(compute_dtype) if v.is_floating_point() else v for k, v in tensors.items()},
                           assign=True)
+    group.prepare(runtime)
     return group
 
 
@@ -74,8 +81,13 @@ def build_modules(
     spec: dict,
     tensors: dict[str, torch.Tensor],
     biases: dict[str, torch.Tensor | None],
-    head_dim: int,
+    head_dim: int | None,
     compute_dtype: torch.dtype,
+    runtime: str = "memory",
 ) -> dict[str, GroupProjection]:
-    """Projection modules (keyed `q`/`k`/`v`/`o`) of one stored group, sharing its work."""
-    return projections(build_group(spec, tensors, compute_dtype), head_dim, biases)
+    """Projection modules (keyed by `PROJECTIONS`) of one stored group, sharing its work.
+
+    `head_dim` is not used (each group's slice width is its own); it is accepted for callers
+    written when every group was attention.
+    """
+    return projections(build_group(spec, tensors, compute_dtype, runtime), biases)

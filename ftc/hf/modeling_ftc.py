@@ -1,35 +1,153 @@
-"""Factorized attention for FTC-compressed checkpoints, loadable through transformers.
+"""Factorized projections for FTC-compressed checkpoints, loadable through transformers.
 
 A compressed checkpoint keeps the base model's architecture and tensor names for everything that
 was not compressed. Each decoder layer gains a `ftc` child holding its stored groups under their
-stored names (`{layer}.ftc.{group}.{tensor}`), and its Q/K/V/O projections become thin views
-that read their columns out of the group they belong to (their biases keep their names).
+stored names (`{layer}.ftc.{group}.{tensor}`), and its compressed projections (attention `q`, `k`,
+`v`, `o`; MLP `gate`, `up`, `down`) become thin views that read their columns out of the group
+they belong to (their biases keep their names).
 
-- A Tucker group (`U1 (d x r1)`, `U2 (dh x r2)`, core `(S, r1, r2)`, dense as `core` or sparse as
-  `core_values` + the bit-packed `core_mask`) computes the latent `x @ U1` once per forward for all
-  its projections, then every slice through the core and `U2^T` in two more GEMMs. The sparse core
-  stays in its stored form; each forward scatters it into a transient dense matrix.
-- A CP group (`A (d x R)`, `B (dh x R)`, `C (S x R)`) computes the latent `x @ A` once, scales it
-  per slice by the rows of `C` and maps every slice back through `B^T` in one more GEMM.
-- A low-rank group (`A (in x r)`, `B (r x out)`) runs as two thin GEMMs.
+Stored groups (ftc-method.md §9):
 
-The runtime holds exactly the stored tensors (the mask as bytes), so `runtime_values` equals the
-stored values up to the mask counted in bytes rather than 16-bit units.
+- Tucker (`U1 (d x r1)`, `U2 (w x r2)`, core `(S, r1, r2)`, dense as `core` or sparse as
+  `core_values` + the bit-packed `core_mask`): slice `s` is `U1 G_s U2^T`, `w` wide (a head for
+  Q/K/V, the intermediate size for the MLP's gate/up).
+- CP (`A (d x R)`, `B (w x R)`, `C (S x R)`): slice `s` is `A diag(c_s) B^T`.
+- Low-rank (`A (in x r)`, `B (r x out)`): one projection, `A B`.
+
+Each group runs in one *form*, chosen once when the model is loaded (`prepare_groups`) by the rule
+in `choose_form`, a pure function of the group's shapes:
+
+- `stored`: the stored tensors as they are, the sparse core scattered into a dense buffer at every
+  forward. The smallest resident size; the `memory` runtime.
+- `factored`: the stored chain with the core scattered once (`x @ U1`, `@ G`, `@ U2^T`), or for
+  CP and low-rank exactly the stored tensors.
+- `merged`: the factors after the first multiplied into one matrix: Tucker `M = [G_s U2^T]_s`
+  (`r1 x S*w`), CP `M = [diag(c_s) B^T]_s` (`R x S*w`): `x @ U1` (or `x @ A`) then one GEMM.
+- `dense`: the whole group as one `d x S*w` matrix: one GEMM.
+
+The `speed` runtime (the default) takes, of the forms with no per-forward rebuild, the one with
+the lowest cost per token: multiply-adds plus values read (`FormCost`). The prepared tensors are
+in the compute dtype, so a forward converts nothing and scatters nothing; `.to()` converts them
+like any parameter. A group keeps only its form's tensors, so only the `stored` form can be saved
+back (`state_dict` of another form raises and says how to load for saving).
 
 Self-contained on purpose: this file is copied next to the weights and imports only torch and
 transformers, so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` works
-wherever transformers does.
+wherever transformers does; `ftc_runtime="memory"` there selects the stored form.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 FORMAT_VERSION = 2
 """Layout of the compressed checkpoint (config `ftc` block + tensor names)."""
+
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+"""Every projection a group may cover, in the order their outputs sit side by side in a fused
+module (Phi-3's `qkv_proj`: Q, K, V rows; its `gate_up_proj`: gate, then up rows)."""
+
+RUNTIMES = ("speed", "memory")
+"""`speed` runs each group in its cheapest form (`choose_form`); `memory` in its stored form."""
+
+FORMS = ("stored", "factored", "merged", "dense")
+
+
+# ---------------------------------------------------------------------------------------------
+# the rule: which form each group runs in
+
+
+@dataclass(frozen=True)
+class FormCost:
+    """One form of a group, counted from its shapes.
+
+    `macs`: multiply-adds per token. `values`: elements the form holds; every one is read once per
+    forward, so at batch 1 (decoding) they are also what a token reads. `gemms`: matrix products
+    per forward. `rebuilt`: elements written at every forward before the first product (the
+    stored form's scatter of a sparse core, or the permuted copy of a dense one).
+    """
+
+    macs: int
+    values: int
+    gemms: int
+    rebuilt: int = 0
+
+    @property
+    def per_token(self) -> int:
+        """Multiply-adds plus values read for one decoded token: the rule's cost.
+
+        A large batch (prefill) pays the multiply-adds; one token at a time pays the reads too,
+        since every held value streams from memory once per forward. For a chain of plain
+        products (merged, dense, low-rank) the two are equal; they differ where a factor is used
+        for several slices (Tucker's `U2`, CP's `B`), which is cheap to hold and costly to apply.
+        """
+        return self.macs + self.values
+
+
+def held_values(spec: dict) -> int:
+    """Elements the stored form holds for a group: every stored tensor, the packed mask as bytes."""
+    return sum(math.prod(shape) for shape in spec["shapes"].values())
+
+
+def form_costs(spec: dict) -> dict[str, FormCost]:
+    """The cost of every form a group can run in, from its spec and tensor shapes alone.
+
+    Tucker (`U1 d x r1`, `U2 w x r2`, `S` stored slices, `S'` output slices: `S` unless the
+    `kv_repeat` ablation repeats K/V heads, whose copies the runtime forms average in advance):
+    stored `d r1 + S r1 r2 + S r2 w`; factored the same over `S'`; merged `d r1 + r1 S' w`;
+    dense `d S' w`. CP (`A d x R`, `B w x R`, `C S x R`): stored = factored `d R + S R + S R w`,
+    holding `(d + w + S) R`; merged `d R + R S w`; dense `d S w`. Low-rank (`A in x r`,
+    `B r x out`): stored = factored `r (in + out)`; dense `in out`.
+    """
+    kind, shapes = spec["kind"], spec["shapes"]
+    stored = held_values(spec)
+    if kind == "lowrank":
+        (inputs, rank), (_, outputs) = shapes["A"], shapes["B"]
+        chain = FormCost(rank * (inputs + outputs), stored, 2)
+        return {"stored": chain, "factored": chain, "dense": FormCost(inputs * outputs, inputs * outputs, 1)}
+    out_slices = sum(spec["heads"])
+    if kind == "cp":
+        (inputs, rank), (width, _), (slices, _) = shapes["A"], shapes["B"], shapes["C"]
+        chain = FormCost(inputs * rank + slices * rank + slices * rank * width, stored, 2)
+        merged = inputs * rank + rank * out_slices * width
+        return {"stored": chain, "factored": chain, "merged": FormCost(merged, merged, 2),
+                "dense": FormCost(inputs * out_slices * width, inputs * out_slices * width, 1)}
+    if kind != "tucker":
+        raise ValueError(f"unknown group kind {kind!r}; expected tucker, cp or lowrank")
+    slices, r1, r2 = spec["shape"]
+    inputs, width = shapes["U1"][0], shapes["U2"][0]
+    factored = inputs * r1 + out_slices * r1 * r2
+    merged = inputs * r1 + r1 * out_slices * width
+    return {
+        "stored": FormCost(inputs * r1 + slices * r1 * r2 + slices * r2 * width, stored, 3, slices * r1 * r2),
+        "factored": FormCost(factored + out_slices * r2 * width, factored + r2 * width, 3),
+        "merged": FormCost(merged, merged, 2),
+        "dense": FormCost(inputs * out_slices * width, inputs * out_slices * width, 1),
+    }
+
+
+def check_runtime(runtime: str) -> str:
+    if runtime not in RUNTIMES:
+        raise ValueError(f"ftc_runtime must be one of {', '.join(RUNTIMES)}; got {runtime!r}")
+    return runtime
+
+
+def choose_form(spec: dict, runtime: str = "speed") -> str:
+    """The form a group runs in under `runtime` (ftc-method.md §9).
+
+    `memory`: `stored`, the smallest resident size. `speed`: of the forms that rebuild nothing per
+    forward (all but `stored`), the one with the lowest `FormCost.per_token`; ties go to fewer
+    products, then to fewer values held.
+    """
+    if check_runtime(runtime) == "memory":
+        return "stored"
+    costs = form_costs(spec)
+    return min((f for f in costs if f != "stored"),
+               key=lambda f: (costs[f].per_token, costs[f].gemms, costs[f].values))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,24 +168,37 @@ def _version(x: torch.Tensor) -> int:
 
 
 class FactorGroup(nn.Module):
-    """Stored factors shared by one or more projections; the output of all of them at once.
+    """Factors shared by one or more projections; the output of all of them at once.
 
-    The projections of a group are called one after another on the same input (`q_proj(x)`,
-    `k_proj(x)`, `v_proj(x)`); the first call computes every column and keeps the result until
-    the other members have taken theirs, so the shared work runs once per forward.
+    Built holding the stored tensors (the `stored` form, which `load_state_dict` and
+    `from_pretrained` fill); `prepare` then replaces them by the tensors of the form its runtime
+    chooses. The projections of a group are called one after another on the same input
+    (`q_proj(x)`, `k_proj(x)`, `v_proj(x)`); the first call computes every column and keeps the
+    result until the other members have taken theirs, so the shared work runs once per forward.
     """
+
+    first = "A"
+    """The factor applied to the input first, kept as stored by the `factored` and `merged` forms."""
 
     def __init__(self, spec: dict) -> None:
         super().__init__()
+        self.spec = {key: value for key, value in spec.items() if key != "values"}
+        self.kind = spec["kind"]
         self.members = tuple(spec["proj"])
+        self.single = len(self.members) == 1
+        self.form = "stored"
+        self._run = self._stored
         self._pending: tuple[torch.Tensor, int, set[str], torch.Tensor] | None = None
-        self.in_features = spec["shapes"]["U1" if spec["kind"] == "tucker" else "A"][0]
+        self.in_features = spec["shapes"][self.first][0]
         for name, shape in spec["shapes"].items():
             tensor = torch.empty(shape, dtype=torch.uint8 if name == "core_mask" else None)
             if name == "core_mask":
                 self.register_buffer(name, tensor)
             else:
                 self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x)
 
     def output_for(self, proj: str, x: torch.Tensor) -> torch.Tensor:
         held = self._pending
@@ -81,32 +212,118 @@ class FactorGroup(nn.Module):
         self._pending = (x, _version(x), rest, y) if rest else None
         return y
 
-    def column_ranges(self, head_dim: int) -> dict[str, tuple[int, int]]:
+    @property
+    def out_features(self) -> int:
         raise NotImplementedError
+
+    def column_ranges(self, head_dim: int | None = None) -> dict[str, tuple[int, int]]:
+        """Each member's columns of the group output. `head_dim` is not used (a group's slice width
+        is its own: `U2`/`B` rows, a head for Q/K/V, the intermediate size for gate/up); it is
+        accepted for callers written when every group was attention."""
+        raise NotImplementedError
+
+    # the forms: `stored` is each kind's own; `_factored` of CP and low-rank is the stored chain
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _merged(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ getattr(self, self.first)) @ self.M
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.W
+
+    def form_tensors(self, form: str) -> dict[str, torch.Tensor]:
+        """The tensors `form` holds, computed from the stored ones (in at least float32) and
+        returned in the compute dtype (the stored tensors' own)."""
+        raise NotImplementedError
+
+    def prepare(self, runtime: str) -> str:
+        """Run in the form `runtime` chooses for this group's shapes (`choose_form`); returns it."""
+        return self.use_form(choose_form(self.spec, runtime))
+
+    def use_form(self, form: str) -> str:
+        """Run in `form` (one of `form_costs(spec)`); returns it.
+
+        The stored tensors the form does not keep are released, so a group holds one form only;
+        a group already moved off the stored form cannot move again (reload the model).
+        """
+        if form not in form_costs(self.spec):
+            raise ValueError(f"a {self.kind} group has no {form!r} form; it has {', '.join(form_costs(self.spec))}")
+        if form == self.form:
+            return form
+        if self.form != "stored":
+            raise RuntimeError(f"this {self.kind} group already runs in its {self.form!r} form; load the model "
+                               f"again to run it as {form!r}")
+        with torch.no_grad():
+            tensors = self.form_tensors(form)
+        for name in [*self._parameters, *self._buffers]:
+            delattr(self, name)
+        for name, tensor in tensors.items():
+            self.register_parameter(name, nn.Parameter(tensor.contiguous(), requires_grad=False))
+        self.form, self._run = form, getattr(self, f"_{form}")
+        return form
+
+    def _work(self) -> tuple[torch.dtype, torch.dtype]:
+        """`(compute dtype, dtype the form tensors are computed in)`."""
+        dtype = getattr(self, self.first).dtype
+        return dtype, torch.promote_types(dtype, torch.float32)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        if self.form != "stored":
+            raise RuntimeError(
+                f"{prefix.rstrip('.')} runs in its {self.form!r} form and no longer holds the stored tensors; load "
+                "the model with ftc_runtime='memory' (load_artifact(..., runtime='memory')) to save or export it")
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def extra_repr(self) -> str:
+        shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in [*self.named_parameters(), *self.named_buffers()])
+        return f"{'/'.join(self.members)}: {self.kind}, {self.form} form ({shapes})"
 
 
 class LowRankGroup(FactorGroup):
-    """`y = (x @ A) @ B`: one projection as two thin GEMMs."""
+    """`y = (x @ A) @ B`: one projection as two thin GEMMs, or `x @ W` where that is cheaper."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x @ self.A.to(x.dtype)) @ self.B.to(x.dtype)
+    @property
+    def out_features(self) -> int:
+        return self.spec["shapes"]["B"][1]
 
-    def column_ranges(self, head_dim: int) -> dict[str, tuple[int, int]]:
-        return {self.members[0]: (0, self.B.shape[1])}
+    def column_ranges(self, head_dim: int | None = None) -> dict[str, tuple[int, int]]:
+        return {self.members[0]: (0, self.out_features)}
+
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.A) @ self.B
+
+    _factored = _stored
+
+    def form_tensors(self, form: str) -> dict[str, torch.Tensor]:
+        if form == "factored":
+            return {"A": self.A, "B": self.B}
+        dtype, work = self._work()
+        return {"W": (self.A.to(work) @ self.B.to(work)).to(dtype)}
 
 
 class SlicedGroup(FactorGroup):
-    """A group whose output is head slices: query heads, then key heads, then value heads."""
+    """A group whose output is slices of one width, side by side: query heads, then key heads,
+    then value heads; or the MLP's gate, then up (one slice each)."""
 
     def __init__(self, spec: dict) -> None:
         super().__init__(spec)
         self.heads = tuple(spec["heads"])
+        self.out_slices = sum(self.heads)
 
-    def column_ranges(self, head_dim: int) -> dict[str, tuple[int, int]]:
+    @property
+    def width(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def out_features(self) -> int:
+        return self.out_slices * self.width
+
+    def column_ranges(self, head_dim: int | None = None) -> dict[str, tuple[int, int]]:
         ranges, start = {}, 0
         for proj, heads in zip(self.members, self.heads, strict=True):
-            ranges[proj] = (start, start + heads * head_dim)
-            start += heads * head_dim
+            ranges[proj] = (start, start + heads * self.width)
+            start += heads * self.width
         return ranges
 
 
@@ -114,31 +331,35 @@ class TuckerGroup(SlicedGroup):
     """`y_s = (x @ U1) G_s U2^T` for every slice `s`, the latent `x @ U1` computed once.
 
     With the `kv_repeat` ablation each key/value head appears `kv_repeat` times and the copies
-    are averaged.
+    are averaged (the stored form averages outputs; the others average the copies' cores once).
     """
+
+    first = "U1"
 
     def __init__(self, spec: dict) -> None:
         super().__init__(spec)
         self.kv_repeat = int(spec.get("kv_repeat", 1))
         self.slices, self.r1, self.r2 = spec["shape"]
 
+    @property
+    def width(self) -> int:
+        return self.spec["shapes"]["U2"][0]
+
     def _copies(self, proj: str) -> int:
         return self.kv_repeat if proj in ("k", "v") else 1
 
-    def core_matrix(self, dtype: torch.dtype) -> torch.Tensor:
-        """The core as one `(r1, S*r2)` matrix; a sparse core is scattered into it here."""
-        if hasattr(self, "core"):
-            core = self.core.to(dtype)
-        else:
-            count = self.slices * self.r1 * self.r2
-            core = torch.zeros(count, dtype=dtype, device=self.core_values.device)
-            core.masked_scatter_(unpack_bits(self.core_mask, count), self.core_values.to(dtype))
-            core = core.view(self.slices, self.r1, self.r2)
-        return core.permute(1, 0, 2).reshape(self.r1, self.slices * self.r2)
+    def core_tensor(self) -> torch.Tensor:
+        """The stored core as a dense `(S, r1, r2)` tensor; a sparse core is scattered into it here."""
+        if "core" in self._parameters:
+            return self.core
+        count = self.slices * self.r1 * self.r2
+        core = torch.zeros(count, dtype=self.core_values.dtype, device=self.core_values.device)
+        core.masked_scatter_(unpack_bits(self.core_mask, count), self.core_values)
+        return core.view(self.slices, self.r1, self.r2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        latent = (x @ self.U1.to(x.dtype)) @ self.core_matrix(x.dtype)  # (..., S*r2)
-        y = latent.unflatten(-1, (self.slices, self.r2)) @ self.U2.to(x.dtype).T  # (..., S, dh)
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        core = self.core_tensor().permute(1, 0, 2).reshape(self.r1, self.slices * self.r2)
+        y = ((x @ self.U1) @ core).unflatten(-1, (self.slices, self.r2)) @ self.U2.T  # (..., S, w)
         if self.kv_repeat > 1:
             parts, start = [], 0
             for proj, heads in zip(self.members, self.heads, strict=True):
@@ -149,6 +370,32 @@ class TuckerGroup(SlicedGroup):
             y = torch.cat(parts, dim=-2)
         return y.flatten(-2)
 
+    def _factored(self, x: torch.Tensor) -> torch.Tensor:
+        return (((x @ self.U1) @ self.G).unflatten(-1, (self.out_slices, self.r2)) @ self.U2t).flatten(-2)
+
+    def output_core(self, dtype: torch.dtype) -> torch.Tensor:
+        """The `(S', r1, r2)` core of the output slices, in `dtype`: repeated K/V copies averaged."""
+        core = self.core_tensor().to(dtype)
+        if self.kv_repeat == 1:
+            return core
+        parts, start = [], 0
+        for proj, heads in zip(self.members, self.heads, strict=True):
+            copies = self._copies(proj)
+            parts.append(core[start : start + heads * copies].unflatten(0, (heads, copies)).mean(1))
+            start += heads * copies
+        return torch.cat(parts)
+
+    def form_tensors(self, form: str) -> dict[str, torch.Tensor]:
+        dtype, work = self._work()
+        core = self.output_core(work)  # (S', r1, r2)
+        if form == "factored":
+            return {"U1": self.U1, "G": core.permute(1, 0, 2).reshape(self.r1, -1).to(dtype),
+                    "U2t": self.U2.T.to(dtype)}
+        merged = (core @ self.U2.T.to(work)).permute(1, 0, 2).reshape(self.r1, -1)  # [G_s U2^T]_s
+        if form == "merged":
+            return {"U1": self.U1, "M": merged.to(dtype)}
+        return {"W": (self.U1.to(work) @ merged).to(dtype)}
+
 
 class CPGroup(SlicedGroup):
     """`y_s = ((x @ A) * c_s) @ B^T` for every slice `s`: the rank-R CP `W_s = A diag(c_s) B^T`.
@@ -157,14 +404,29 @@ class CPGroup(SlicedGroup):
     broadcast product and one GEMM over every slice at once.
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        latent = x @ self.A.to(x.dtype)  # (..., R)
-        y = (latent.unsqueeze(-2) * self.C.to(x.dtype)) @ self.B.to(x.dtype).T  # (..., S, dh)
-        return y.flatten(-2)
+    @property
+    def width(self) -> int:
+        return self.spec["shapes"]["B"][0]
+
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        return (((x @ self.A).unsqueeze(-2) * self.C) @ self.B.T).flatten(-2)  # (..., S, w) flattened
+
+    _factored = _stored
+
+    def form_tensors(self, form: str) -> dict[str, torch.Tensor]:
+        if form == "factored":
+            return {"A": self.A, "B": self.B, "C": self.C}
+        dtype, work = self._work()
+        b, c = self.B.to(work), self.C.to(work)
+        merged = (c.T.unsqueeze(-1) * b.T.unsqueeze(1)).flatten(1)  # M[r, s*w + j] = c[s, r] b[j, r]
+        if form == "merged":
+            return {"A": self.A, "M": merged.to(dtype)}
+        return {"W": (self.A.to(work) @ merged).to(dtype)}
 
 
 class GroupProjection(nn.Module):
-    """Stands where `q_proj`/`k_proj`/`v_proj`/`o_proj` stood: its columns of a group, plus its bias.
+    """Stands where a projection (`q_proj`, ..., `down_proj`) stood: its columns of a group, plus
+    its bias.
 
     The group is referenced, not registered, so its tensors appear once in the state dict (under
     the layer's `ftc` child) however many projections read them.
@@ -175,14 +437,16 @@ class GroupProjection(nn.Module):
         object.__setattr__(self, "group", group)
         self.proj = proj
         self.start, self.stop = columns
+        self.whole = self.start == 0 and self.stop == group.out_features
         self.in_features, self.out_features = group.in_features, self.stop - self.start
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.output_for(self.proj, x)
-        if self.start != 0 or self.stop != y.shape[-1]:
+        group = self.group
+        y = group(x) if group.single else group.output_for(self.proj, x)
+        if not self.whole:
             y = y[..., self.start : self.stop]
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return y if self.bias is None else y + self.bias
 
     def _apply(self, fn, recurse: bool = True):
         # the group lives elsewhere in a loaded model, but a projection installed on its own
@@ -195,11 +459,12 @@ class GroupProjection(nn.Module):
 
 
 class FusedProjection(nn.Module):
-    """Stands where a fused projection stood (Phi-3's `qkv_proj`, rows Q, then K, then V): its
-    members' outputs side by side, in that order.
+    """Stands where a fused projection stood (Phi-3's `qkv_proj`, rows Q, then K, then V; its
+    `gate_up_proj`, gate then up): its members' outputs side by side, in that order.
 
-    Members of one group share its forward (`FactorGroup.output_for`), so a Tucker Q/K/V group
-    still runs once; only the concatenation is added.
+    Members that are, in order and without biases, every column of one group are that group's
+    output as it is: one call, no concatenation. Otherwise members of one group still share its
+    forward (`FactorGroup.output_for`) and only the concatenation is added.
     """
 
     def __init__(self, members: list[nn.Module]) -> None:
@@ -207,25 +472,32 @@ class FusedProjection(nn.Module):
         self.members = nn.ModuleList(members)
         self.in_features = members[0].in_features
         self.out_features = sum(m.out_features for m in members)
+        group = getattr(members[0], "group", None)
+        whole = (group is not None and all(getattr(m, "group", None) is group and m.bias is None for m in members)
+                 and tuple(m.proj for m in members) == group.members)  # a group's columns follow its members
+        object.__setattr__(self, "group", group if whole else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            return self.group(x)
         return torch.cat([m(x) for m in self.members], dim=-1)
 
 
 def modules_of(names: dict[str, str], projs) -> dict[str, list[str]]:
-    """The projections (of `projs`) held by each module name, in q, k, v, o order: one per module,
-    or several row blocks of one fused module (Phi-3: `q`, `k` and `v` all name `qkv_proj`)."""
+    """The projections (of `projs`) held by each module name, in `PROJECTIONS` order: one per
+    module, or several row blocks of one fused module (Phi-3: `q`, `k` and `v` all name
+    `qkv_proj`; `gate` and `up` name `gate_up_proj`)."""
     held: dict[str, list[str]] = {}
-    for proj in sorted(projs, key="qkvo".index):
+    for proj in sorted(projs, key=PROJECTIONS.index):
         held.setdefault(names[proj], []).append(proj)
     return held
 
 
 def place(layer: nn.Module, names: dict[str, str], modules: dict[str, nn.Module]) -> None:
-    """Install projection modules (keyed `q`/`k`/`v`/`o`) in `layer` under their module names; the
-    members of a fused module are installed together as one `FusedProjection`."""
+    """Install projection modules (keyed by `PROJECTIONS`) in `layer` under their module names;
+    the members of a fused module are installed together as one `FusedProjection`."""
     for name, members in modules_of(names, modules).items():
-        fused = [p for p in "qkvo" if names.get(p) == name]
+        fused = [p for p in PROJECTIONS if names.get(p) == name]
         if members != fused:
             raise ValueError(f"{name} holds {fused} as one fused projection; got modules for {members} only")
         module = modules[members[0]] if len(members) == 1 else FusedProjection([modules[p] for p in members])
@@ -245,16 +517,10 @@ def group_name(spec: dict) -> str:
     return "".join(spec["proj"])
 
 
-def projections(group: FactorGroup, head_dim: int,
-                biases: dict[str, torch.Tensor | None]) -> dict[str, GroupProjection]:
-    """The projection modules (keyed `q`/`k`/`v`/`o`) that read from `group`."""
+def projections(group: FactorGroup, biases: dict[str, torch.Tensor | None]) -> dict[str, GroupProjection]:
+    """The projection modules (keyed by `PROJECTIONS`) that read from `group`."""
     return {proj: GroupProjection(group, proj, cols, biases.get(proj))
-            for proj, cols in group.column_ranges(head_dim).items()}
-
-
-def held_values(spec: dict) -> int:
-    """Elements the runtime holds for a group: every stored tensor, the packed mask as bytes."""
-    return sum(math.prod(shape) for shape in spec["shapes"].values())
+            for proj, cols in group.column_ranges().items()}
 
 
 def install_groups(model: nn.Module, block: dict) -> None:
@@ -267,13 +533,35 @@ def install_groups(model: nn.Module, block: dict) -> None:
         modules: dict[str, GroupProjection] = {}
         for spec in entry["groups"]:
             group = groups[group_name(spec)] = make_group(spec)
-            for proj, module in projections(group, block["head_dim"], {}).items():
+            for proj, module in projections(group, {}).items():
                 old = layer.get_submodule(names[proj])
                 if getattr(old, "bias", None) is not None:
                     module.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
                 modules[proj] = module
         place(layer, names, modules)
         layer.ftc = groups
+
+
+def prepare_groups(model: nn.Module, runtime: str = "speed") -> list[dict]:
+    """Run every factor group of `model` in the form `runtime` chooses (`choose_form`), one group
+    at a time (so the extra memory at any moment is one group's); returns `runtime_forms`."""
+    for group in model.modules():
+        if isinstance(group, FactorGroup):
+            group.prepare(runtime)
+    return runtime_forms(model)
+
+
+def runtime_forms(model: nn.Module) -> list[dict]:
+    """Per group of `model`: where it sits, the form it runs in, that form's `FormCost` and the
+    values the stored form holds, for reports and benchmarks."""
+    records = []
+    for name, group in model.named_modules():
+        if isinstance(group, FactorGroup):
+            cost = form_costs(group.spec)[group.form]
+            records.append({"group": name, "kind": group.kind, "proj": list(group.members), "form": group.form,
+                            "macs_per_token": cost.macs, "values": cost.values, "gemms": cost.gemms,
+                            "stored_values": held_values(group.spec)})
+    return records
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,12 +602,27 @@ def _build_family(base_type: str) -> None:
         base_model.__init__(self, config, *args, **kwargs)
         install_groups(self, config.ftc)
 
+    def from_pretrained(cls, *args, ftc_runtime: str | None = None, **kwargs):
+        """The base class's loading, then every group moved to the form of `ftc_runtime` ("speed",
+        the default, or "memory"; else the config's `ftc_runtime` attribute, if set)."""
+        if ftc_runtime is not None:
+            check_runtime(ftc_runtime)  # before the weights are read
+        model = super(model_cls, cls).from_pretrained(*args, **kwargs)
+        prepare_groups(model, ftc_runtime or getattr(model.config, "ftc_runtime", None) or "speed")
+        return model
+
+    def ftc_forms(self) -> list[dict]:
+        """What each factor group runs as (`runtime_forms`)."""
+        return runtime_forms(self)
+
     model_cls = type(model_name, (base_model,), {
         "config_class": config_cls,
         "_auto_class": "AutoModelForCausalLM",  # save_pretrained copies this file and keeps `auto_map`
         "__init__": __init__,
+        "from_pretrained": classmethod(from_pretrained),
+        "ftc_forms": ftc_forms,
         "__module__": __name__,
-        "__doc__": f"{base_model.__name__} whose attention projections run from FTC factor groups.",
+        "__doc__": f"{base_model.__name__} whose projections run from FTC factor groups.",
     })
     _CLASSES[config_name], _CLASSES[model_name] = config_cls, model_cls
 

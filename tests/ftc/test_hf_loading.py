@@ -14,7 +14,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from ftc.artifact import load_artifact
-from ftc.hf.modeling_ftc import FactorGroup, TuckerGroup
+from ftc.hf.modeling_ftc import FactorGroup, TuckerGroup, choose_form, form_costs
 from tests.support.tiny import LAYOUTS
 
 IDS = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(7))
@@ -53,7 +53,9 @@ def test_without_trust_remote_code_loading_fails_and_says_how(layout, tiny_artif
 
 
 def test_generate_uses_the_kv_cache_and_save_pretrained_keeps_the_compressed_form(tiny_artifact, tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(tiny_artifact("qwen2_bias"), trust_remote_code=True)
+    # the stored form is the one a loaded model can be saved from (test_runtime covers the other)
+    model = AutoModelForCausalLM.from_pretrained(tiny_artifact("qwen2_bias"), trust_remote_code=True,
+                                                 ftc_runtime="memory")
     prompt = IDS[:1, :6]
     cached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True)
     uncached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
@@ -66,7 +68,7 @@ def test_generate_uses_the_kv_cache_and_save_pretrained_keeps_the_compressed_for
     with safe_open(tmp_path / "saved" / "model.safetensors", "pt") as f:
         names = set(f.keys())
     assert any(".ftc.qkv.U1" in n for n in names) and not any(n.endswith("q_proj.weight") for n in names)
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=True)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=True, ftc_runtime="memory")
     assert _rel(_logits(again), _logits(model)) < 1e-6
 
 
@@ -105,9 +107,10 @@ def _held(group: FactorGroup) -> int:
 
 @pytest.mark.parametrize("ratio", [0.2, 0.5, 0.8])
 def test_runtime_values_are_the_tensors_held_and_within_a_quarter_of_the_stored(ratio, tiny_artifact):
+    """The manifest's `runtime_values` are what the stored (`memory`) form holds."""
     folder = tiny_artifact("mha", ratio=ratio, dtype="float16")
     manifest = json.loads((folder / "manifest.json").read_text())
-    model, _, _ = load_artifact(folder)
+    model, _, _ = load_artifact(folder, runtime="memory")
     _logits(model)  # whatever a forward leaves behind counts too
     layers = model.get_submodule("model.layers")
     for entry in manifest["layers"]:
@@ -116,6 +119,20 @@ def test_runtime_values_are_the_tensors_held_and_within_a_quarter_of_the_stored(
         assert entry["runtime_values"] <= 1.25 * entry["stored_values"]
     assert manifest["runtime_values"] == sum(e["runtime_values"] for e in manifest["layers"])
     assert manifest["stored_values"] == sum(e["stored_values"] for e in manifest["layers"])
+
+
+@pytest.mark.parametrize("ratio", [0.2, 0.5, 0.8])
+def test_the_speed_form_holds_what_its_rule_counts(ratio, tiny_artifact):
+    """Each group of a default load runs in the form `choose_form` names, holding exactly the values
+    `form_costs` counts for it (nothing of the stored form left, nothing kept by a forward)."""
+    model, _, _ = load_artifact(tiny_artifact("mha", ratio=ratio, dtype="float16"))
+    _logits(model)
+    records = model.ftc_forms()
+    assert records and {r["form"] for r in records} <= {"factored", "merged", "dense"}
+    for record in records:
+        group = model.get_submodule(record["group"])
+        assert record["form"] == group.form == choose_form(group.spec, "speed")
+        assert _held(group) == record["values"] == form_costs(group.spec)[group.form].values
 
 
 def test_sparse_cores_occur_in_the_accounting_test(tiny_artifact):
