@@ -84,6 +84,14 @@ def test_create_follow_download_rerun_and_cancel(cli_api: Api, capsys, tmp_path:
     assert ftc("sweep", "download", sweep["id"], "results.csv", "-o", str(target)) == 0
     assert capsys.readouterr().out.strip() == f"{target} ({target.stat().st_size} bytes)"
     assert target.read_text().startswith("model,method,rho,status,ppl_wikitext2")
+    report = tmp_path / "report"
+    assert ftc("sweep", "download", sweep["id"], "--to", str(report), "--include", "models") == 0
+    assert capsys.readouterr().out.startswith(f"{report} (")
+    saved = {str(path.relative_to(report)) for path in report.rglob("*") if path.is_file()}
+    assert {"results.csv", "results.md", "results.json", "plot.png", "plot.svg"} <= saved
+    assert {f"models/{cell['job_id']}/metrics.json" for cell in sweep["run"]["cells"]} <= saved
+    assert not [name for name in saved if name.startswith("runs/")]  # the latest report, not every run's
+    assert (report / "results.csv").read_text() == target.read_text()
 
     assert ftc("sweep", "run", sweep["id"]) == 0
     rerun = json.loads(capsys.readouterr().out)
@@ -103,6 +111,10 @@ def test_errors_are_one_line_and_exit_code_2(cli_api: Api, capsys) -> None:
     assert ftc("sweep", "get", "swp_" + "0" * 22) == 2
     assert "answered 404" in capsys.readouterr().err
     assert ftc("sweep", "download", "swp_" + "0" * 22, "plot.svg", "-o", os.devnull) == 2
+    capsys.readouterr()
+    pending = cli_api.client().post("/v1/sweeps", json={"models": ["smollm2-135m"], "ratios": [0.5]}).json()["id"]
+    assert ftc("sweep", "download", pending) == 2
+    assert f"sweep {pending} has no report for any run yet" in capsys.readouterr().err
 
 
 def test_the_scheduler_command_writes_reports_and_stops_cleanly(cli_api: Api, tmp_path: Path) -> None:
