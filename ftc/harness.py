@@ -26,6 +26,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from ftc.hf.modeling_ftc import RUNTIMES
 from ftc.loading import load_model
 from ftc.models import ModelError, pick_device, resolve_model
 
@@ -67,7 +68,12 @@ def _device(name: str | None) -> torch.device:
 
 @register_model("ftc")
 class FTCLM(HFLM):
-    """`pretrained` is what `ftc eval --model` accepts, or an already loaded model (with `tokenizer`)."""
+    """`pretrained` is what `ftc eval --model` accepts, or an already loaded model (with `tokenizer`).
+
+    An artifact runs in the runtime `load_artifact` gives it: `runtime=speed` (the default, each
+    group in its cheapest form) or `runtime=memory` (the stored form), e.g.
+    `--model_args pretrained=DIR,runtime=memory`.
+    """
 
     def __init__(
         self,
@@ -76,12 +82,15 @@ class FTCLM(HFLM):
         device: str | None = None,
         dtype: str = "float32",
         batch_size: int | str = 1,
+        runtime: str = "speed",
         **kwargs: Any,
     ) -> None:
         if isinstance(pretrained, str):
             if dtype not in DTYPES:
                 raise ModelError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
-            pretrained, loaded = load_model(resolve_model(pretrained), DTYPES[dtype], _device(device))
+            if runtime not in RUNTIMES:
+                raise ModelError(f"runtime must be one of {', '.join(RUNTIMES)}; got {runtime!r}")
+            pretrained, loaded = load_model(resolve_model(pretrained), DTYPES[dtype], _device(device), runtime)
             tokenizer = tokenizer or loaded
         if tokenizer is None:
             raise ModelError("the model has no tokenizer; save one with the artifact or pass tokenizer=...")

@@ -11,12 +11,14 @@ from .artifact import load_artifact
 from .models import ModelSource, load_tokenizer
 
 
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """`(model, tokenizer)` in eval mode. GGUF weights are dequantised to `dtype`."""
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               runtime: str = "speed"):
+    """`(model, tokenizer)` in eval mode. GGUF weights are dequantised to `dtype`; an artifact's
+    groups run in the form `runtime` chooses (`load_artifact`)."""
     from transformers import AutoModelForCausalLM
 
     if source.kind == "artifact":
-        model, tokenizer, _ = load_artifact(source.path, dtype, device)
+        model, tokenizer, _ = load_artifact(source.path, dtype, device, runtime)
         return model, tokenizer
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     logging.getLogger("transformers").setLevel(logging.ERROR)

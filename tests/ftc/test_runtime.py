@@ -338,3 +338,16 @@ def test_remote_code_takes_the_runtime_from_a_keyword_or_the_config(tiny_artifac
 
 def _specs(model) -> list[dict]:
     return [model.get_submodule(r["group"]).spec for r in model.ftc_forms()]
+
+
+def test_the_lm_eval_backend_runs_the_same_runtime(tiny_artifact):
+    from ftc.harness import FTCLM
+    from ftc.models import ModelError
+
+    folder = str(tiny_artifact("gqa"))
+    speed = FTCLM(pretrained=folder, device="cpu")
+    memory = FTCLM(pretrained=folder, device="cpu", runtime="memory")
+    assert {r["form"] for r in speed.model.ftc_forms()} == {r["form"] for r in load_artifact(folder)[0].ftc_forms()}
+    assert {r["form"] for r in memory.model.ftc_forms()} == {"stored"}
+    with pytest.raises(ModelError, match="runtime must be one of speed, memory; got 'fast'"):
+        FTCLM(pretrained=folder, device="cpu", runtime="fast")
