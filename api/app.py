@@ -18,13 +18,14 @@ from api.errors import UnexpectedErrors, add_error_handlers
 from api.gate import RequestGate
 from api.metrics import RequestTimer
 from api.routes import artifacts, dashboard, events, health, jobs, sweeps, uploads
-from api.sse import EventHub
+from api.sse import EventHub, StreamSlots
 from service.auth import ApiKeys
 from service.queue import run_janitor
 from service.redis_client import REDIS_DOWN_ERRORS
 from service.runtime import Services
 from service.settings import Settings
 from service.store import store_for
+from service.teams import policies_for
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     a bad store URL)."""
     settings = settings or Settings()
     api_keys = ApiKeys.parse(settings.api_keys)
+    policies_for(settings).check_known(api_keys.teams)
     store = store_for(settings)
 
     @contextlib.asynccontextmanager
@@ -42,6 +44,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.services = services
         hub = app.state.event_hub = EventHub(services.redis, services.jobs, settings)
         hub.start()
+        slots = app.state.stream_slots = StreamSlots(services.redis, services.jobs.keys)
+        slots.start()
         try:
             await services.queue.ensure_group()
         except REDIS_DOWN_ERRORS as error:  # start anyway: /readyz says 503 until Redis is back
@@ -57,6 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if janitor is not None:
                 await janitor
             await hub.close()
+            await slots.close()
             await services.close()
 
     app = FastAPI(

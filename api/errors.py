@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import IdempotencyConflict, JobNotFound
+from service.errors import IdempotencyConflict, JobNotFound, QuotaExceeded
 from service.redis_client import REDIS_DOWN_ERRORS
 from service.store import StoreUnavailable
 from service.uploads import UploadRejected, UploadTooLarge
@@ -39,7 +39,9 @@ _DESCRIPTIONS = {
     401: "Missing or unknown API key",
     404: "No such job for your team",
     409: "Conflicts with the job's state or an earlier request",
+    403: "Your team may not do this (e.g. priority high without high_priority in FTC_TEAMS)",
     413: "Body larger than FTC_MAX_BODY_BYTES (uploads: FTC_MAX_UPLOAD_BYTES)",
+    429: "Beyond one of your team's quotas (`limit` names it); retry after Retry-After seconds",
     503: "Redis or the object store is unreachable; nothing was changed, retry later",
 }
 
@@ -122,23 +124,32 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
     )
 
 
+# Outages are answered without their cause: it names addresses, buckets and folders of the
+# deployment, which are the operators' business (it is logged for them).
 async def _redis_down(request: Request, error: Exception) -> JSONResponse:
     log.warning("Redis unreachable: %s", error)
     return JSONResponse(
-        {
-            "detail": "the job store (Redis) is unreachable; nothing was changed. Retry in a few seconds.",
-            "cause": str(error),
-        },
+        {"detail": "the job store (Redis) is unreachable; nothing was changed. Retry in a few seconds."},
         status.HTTP_503_SERVICE_UNAVAILABLE,
         headers={"Retry-After": RETRY_AFTER_SECONDS},
     )
 
 
 async def _store_down(request: Request, error: StoreUnavailable) -> JSONResponse:
+    log.warning("object store unavailable: %s", error)
     return JSONResponse(
-        {"detail": f"{error}. Retry in a few seconds."},
+        {"detail": "the object store is unreachable. Retry in a few seconds."},
         status.HTTP_503_SERVICE_UNAVAILABLE,
         headers={"Retry-After": RETRY_AFTER_SECONDS},
+    )
+
+
+async def _over_quota(request: Request, error: QuotaExceeded) -> JSONResponse:
+    """429 naming the limit (`limit`, and the setting in `detail`), with when to try again."""
+    return JSONResponse(
+        {"detail": str(error), "limit": error.limit},
+        status.HTTP_429_TOO_MANY_REQUESTS,
+        headers={"Retry-After": str(error.retry_after)},
     )
 
 
@@ -182,5 +193,6 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(IdempotencyConflict, _conflict)
     app.add_exception_handler(UploadRejected, _upload_rejected)
     app.add_exception_handler(StoreUnavailable, _store_down)
+    app.add_exception_handler(QuotaExceeded, _over_quota)
     for error_type in REDIS_DOWN_ERRORS:
         app.add_exception_handler(error_type, _redis_down)

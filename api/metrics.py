@@ -62,11 +62,12 @@ class _Snapshot:
         return self.families
 
 
-async def _service_gauges(services: Services) -> list[GaugeMetricFamily]:
+async def _service_gauges(services: Services, teams: list[str]) -> list[GaugeMetricFamily]:
     up = GaugeMetricFamily("ftc_redis_up", "Whether the API could read Redis for this scrape.")
     try:
         depth = await services.queue.depth()
         counts = await services.jobs.status_counts()
+        per_team = await services.jobs.team_counts(teams, ("queued", "running"))
     except REDIS_DOWN_ERRORS:
         up.add_metric([], 0)
         return [up]
@@ -77,16 +78,22 @@ async def _service_gauges(services: Services) -> list[GaugeMetricFamily]:
     jobs = GaugeMetricFamily("ftc_jobs", "Jobs by status, all teams.", labels=["status"])
     for status, count in counts.items():
         jobs.add_metric([status], count)
-    return [up, queued, jobs]
+    team_queued = GaugeMetricFamily("ftc_team_queue_depth", "A team's jobs waiting for a worker.", labels=["team"])
+    team_running = GaugeMetricFamily("ftc_team_running_jobs", "A team's jobs running now.", labels=["team"])
+    for team, count in per_team.items():
+        team_queued.add_metric([team], count["queued"])
+        team_running.add_metric([team], count["running"])
+    return [up, queued, jobs, team_queued, team_running]
 
 
-async def render(services: Services) -> bytes:
-    """The Prometheus text exposition of this process (or all, in multiprocess mode) plus Redis gauges."""
+async def render(services: Services, teams: list[str]) -> bytes:
+    """The Prometheus text exposition of this process (or all, in multiprocess mode) plus Redis
+    gauges, per team for `teams` (those with a key: label values stay bounded)."""
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
     else:
         registry = REGISTRY
     snapshot = CollectorRegistry()
-    snapshot.register(_Snapshot(await _service_gauges(services)))
+    snapshot.register(_Snapshot(await _service_gauges(services, teams)))
     return generate_latest(registry) + generate_latest(snapshot)

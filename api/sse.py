@@ -6,6 +6,10 @@ other route, `/readyz` included, answered 503. Now each stream replays its histo
 read and then waits on an in-process queue; `EventHub` keeps a single connection of its own that
 blocks on the event streams of every followed job at once and hands each new event to the streams
 that follow that job. Streams cost memory, not connections, so one process holds thousands.
+
+How many streams a team holds is counted in Redis (`StreamSlots`), not in the process: a stream
+takes its slot atomically before its answer starts, so neither concurrent opens nor several API
+processes can pass FTC_MAX_STREAMS_PER_TEAM.
 """
 
 from __future__ import annotations
@@ -14,12 +18,18 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.asyncio import Redis
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from service.jobs import JobStore, events_from_reply
+from service.keys import Keys
 from service.redis_client import REDIS_DOWN_ERRORS, connect
 from service.schemas import TERMINAL_STATUSES, JobEvent, JobRecord
 from service.settings import Settings
@@ -32,6 +42,17 @@ RECONNECT_MS = 2000
 READ_COUNT = 100
 """Events per job per read: a long history arrives over several reads, in order."""
 OUTAGE_BACKOFF_SECONDS = 0.5
+SLOT_LEASE_SECONDS = 30.0
+"""How long a stream's slot counts without renewal: what the streams of a killed API process hold on to."""
+
+_TAKE_SLOT = """
+local key, token, now, lapses, most = KEYS[1], ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+if redis.call('ZCARD', key) >= most then return 0 end
+redis.call('ZADD', key, lapses, token)
+redis.call('PEXPIRE', key, ARGV[5])
+return 1
+"""
 
 
 def format_event(event: JobEvent) -> str:
@@ -46,6 +67,96 @@ def stream_position(event_id: str) -> tuple[int, int]:
     """A Redis stream id (`ms-seq`) as a pair that sorts the way Redis orders entries."""
     ms, _, seq = event_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+class StreamSlots:
+    """The event streams each team holds open, over every API process, in one sorted set per team
+    (`{p}:team:{team}:streams`: a token per stream, scored by when it lapses).
+
+    `take` counts and adds in one script, so the cap holds under any number of concurrent opens.
+    This process renews the slots of its open streams every third of SLOT_LEASE_SECONDS and gives
+    each back when its stream ends; a process that dies stops renewing, and its slots lapse.
+    """
+
+    def __init__(self, redis: Redis, keys: Keys, lease_seconds: float = SLOT_LEASE_SECONDS) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.lease_seconds = lease_seconds
+        self._take = redis.register_script(_TAKE_SLOT)
+        self._held: dict[str, str] = {}
+        """token -> team, of this process's open streams."""
+        self._task: asyncio.Task[None] | None = None
+
+    async def take(self, team: str, most: int) -> str | None:
+        """A slot for one more stream of `team`, or None when it holds `most` already."""
+        token = secrets.token_hex(8)
+        now = time.time()
+        taken = await self._take(
+            keys=[self.keys.streams(team)],
+            args=[token, repr(now), repr(now + self.lease_seconds), most, int(self.lease_seconds * 2000)],
+        )
+        if not taken:
+            return None
+        self._held[token] = team
+        return token
+
+    async def give_back(self, token: str) -> None:
+        team = self._held.pop(token, None)
+        if team is not None:
+            with contextlib.suppress(*REDIS_DOWN_ERRORS):  # unreachable: the slot lapses by itself
+                await self.redis.zrem(self.keys.streams(team), token)
+
+    async def held(self, team: str) -> int:
+        """Streams `team` holds open now, over every API process."""
+        return await self.redis.zcount(self.keys.streams(team), time.time(), "+inf")
+
+    async def renew(self) -> None:
+        """Push back the lapse of every slot this process holds (never re-adding one given back)."""
+        held = dict(self._held)
+        if not held:
+            return
+        lapses = time.time() + self.lease_seconds
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for token, team in held.items():
+                pipe.zadd(self.keys.streams(team), {token: lapses}, xx=True)
+                pipe.pexpire(self.keys.streams(team), int(self.lease_seconds * 2000))
+            await pipe.execute()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._keep(), name="stream-slots")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for token in list(self._held):
+            await self.give_back(token)
+
+    async def _keep(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_seconds / 3)
+            try:
+                await self.renew()
+            except REDIS_DOWN_ERRORS as error:  # the streams end on their own; their slots lapse
+                log.warning("event streams: could not renew their slots (%s)", error)
+
+
+class SlotStreamingResponse(StreamingResponse):
+    """A streaming answer that gives its stream slot back however it ends: finished, failed, or
+    the client gone before the first byte (when the body's own cleanup never runs)."""
+
+    def __init__(self, content: Any, *, on_close: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 class StreamEnded(Exception):
@@ -87,7 +198,6 @@ class EventHub:
         self._reader = connect(settings, max_connections=1)
         self._reader_id: int | None = None
         self._followers: dict[str, set[Subscription]] = {}
-        self._per_team: dict[str, int] = {}
         self._changed = asyncio.Event()
         self._reading: frozenset[str] = frozenset()
         """Jobs of the blocking read in progress (empty when none waits)."""
@@ -107,24 +217,16 @@ class EventHub:
         self._end_all(StreamEnded("the API is shutting down"))
         await self._reader.aclose()
 
-    def streams_of(self, team: str) -> int:
-        """Streams `team` follows on this process (the route refuses more than FTC_MAX_STREAMS_PER_TEAM)."""
-        return self._per_team.get(team, 0)
-
     @contextlib.asynccontextmanager
     async def follow(self, team: str, job_id: str, after: str) -> AsyncIterator[Subscription]:
         """Follow one job's events after `after`; the caller replays the history itself first."""
         subscription = Subscription(job_id, team, after)
         self._followers.setdefault(job_id, set()).add(subscription)
-        self._per_team[team] = self._per_team.get(team, 0) + 1
         self._changed.set()
         try:  # from here on, a client that goes away (cancellation) must not leave its subscription behind
             await self._interrupt_wait(job_id)
             yield subscription
         finally:
-            self._per_team[team] -= 1
-            if not self._per_team[team]:
-                del self._per_team[team]
             followers = self._followers.get(job_id)
             if followers is not None:
                 followers.discard(subscription)

@@ -21,7 +21,7 @@ from service.errors import IdempotencyConflict, JobNotFound, LeaseLost, QuotaExc
 from service.ids import new_id
 from service.keys import LUA_PRELUDE, Keys
 from service.schemas import JOB_STATUSES, JobEvent, JobRecord, JobRequest, Progress
-from service.teams import limit_source
+from service.teams import TeamPolicy, limit_source
 
 _SUBMIT = (
     LUA_PRELUDE
@@ -132,31 +132,23 @@ return new
 )
 
 
-@dataclass(frozen=True)
-class SubmitLimits:
-    """The team's limits a submission is checked against, atomically with the write (0: none)."""
-
-    queued_jobs: int = 0
-    submissions_per_minute: int = 0
-
-
 RETRY_AFTER_QUEUED_SECONDS = 30
 """When to try again after the queued-jobs limit: about when some of the team's jobs have started."""
 
 
-def quota_error(limit: str, detail: str, limits: SubmitLimits, jobs: int) -> QuotaExceeded:
+def quota_error(limit: str, detail: str, policy: TeamPolicy, jobs: int) -> QuotaExceeded:
     """The 429 of a submission the submit script refused, naming the limit and where it is set."""
     if limit == "queued_jobs":
         return QuotaExceeded(
             limit,
-            f"your team has {detail} queued jobs; {jobs} more would pass its limit of {limits.queued_jobs} "
-            f"(queued_jobs; {limit_source(limit)}). Retry once some have started, or cancel some",
+            f"your team has {detail} queued jobs; {jobs} more would pass its limit of {policy.queued_jobs} "
+            f"(queued_jobs: {limit_source(limit)}). Retry once some have started, or cancel some",
             RETRY_AFTER_QUEUED_SECONDS,
         )
     return QuotaExceeded(
         limit,
-        f"your team submitted its {limits.submissions_per_minute} jobs a minute (submissions_per_minute; "
-        f"{limit_source(limit)}); retry in {detail} s",
+        f"your team made its {policy.submissions_per_minute} submissions of the last minute "
+        f"(submissions_per_minute: {limit_source(limit)}); retry in {detail} s",
         int(detail),
     )
 
@@ -235,15 +227,16 @@ class JobStore:
         request: JobRequest,
         idempotency_key: str | None = None,
         *,
-        limits: SubmitLimits | None = None,
+        policy: TeamPolicy | None = None,
+        rate_limited: bool = True,
     ) -> Submission:
         """Store and enqueue one job per keep ratio, or return the job an earlier identical submission made.
 
         Without an Idempotency-Key the request body itself is the key, except that a failed or
         cancelled job is not handed back: submitting it again is how one retries it. A replay is
-        never refused; a new submission beyond `limits` raises QuotaExceeded and writes nothing.
+        never refused; a new submission beyond the team's `policy` (its queued jobs, and unless not
+        `rate_limited` its submissions a minute) raises QuotaExceeded and writes nothing.
         """
-        limits = limits or SubmitLimits()
         now = time.time()
         if idempotency_key is not None:
             mode, digest = "explicit", request_digest(request, with_priority=True)
@@ -262,8 +255,8 @@ class JobStore:
             self.idempotency_ttl_seconds,
             repr(now),
             len(ids),
-            limits.queued_jobs,
-            limits.submissions_per_minute,
+            policy.queued_jobs if policy else 0,
+            policy.submissions_per_minute if policy and rate_limited else 0,
         ]
         stored = []
         for job_id, ratio in zip(ids, ratios, strict=True):
@@ -282,7 +275,8 @@ class JobStore:
             stored.append(fields)
         outcome, job_id, *detail = await self._submit(args=args)
         if outcome == "quota":  # job_id is the limit's name here
-            raise quota_error(job_id, detail[0], limits, len(ids))
+            assert policy is not None  # no limits, no refusal
+            raise quota_error(job_id, detail[0], policy, len(ids))
         if outcome == "conflict":
             raise IdempotencyConflict(job_id)
         if outcome == "created":  # answer from what was written: no second round trip
@@ -371,6 +365,15 @@ class JobStore:
         there are none. The API's event streams never block here: they share one reader (api/sse.py)."""
         reply = await self.redis.xread({self.keys.events(job_id): after}, count=100, block=block_ms)
         return events_from_reply(reply)
+
+    async def team_counts(self, teams: list[str], statuses: tuple[str, ...]) -> dict[str, dict[str, int]]:
+        """Jobs per team in each of `statuses`, read from the teams' status indexes in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for team in teams:
+                for status in statuses:
+                    pipe.zcard(self.keys.team_status(team, status))
+            counts = iter(await pipe.execute())
+        return {team: {status: int(next(counts)) for status in statuses} for team in teams}
 
     async def status_counts(self) -> dict[str, int]:
         """Jobs per status over all teams."""

@@ -16,7 +16,7 @@ from service.redis_client import connect
 from service.retry import RetryPolicy
 from service.settings import Settings
 from service.store import ObjectStore, store_for
-from service.teams import TeamPolicies
+from service.teams import TeamPolicies, policies_for
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Services:
     def open(cls, settings: Settings, store: ObjectStore | None = None) -> Services:
         """Build the clients; nothing is contacted yet, so this works while Redis is down.
         Raises ValueError for an unusable FTC_TEAMS."""
-        teams = TeamPolicies.from_settings(settings)
+        teams = policies_for(settings)
         redis = connect(settings)
         keys = Keys(settings.key_prefix)
         return cls(

@@ -61,7 +61,7 @@ class Scheduler:
         interval_seconds: float = 5.0,
     ) -> None:
         self.services = services
-        self.sweeps = SweepStore(services.redis, services.jobs)
+        self.sweeps = SweepStore(services.redis, services.jobs, teams=services.teams)
         self.clock = clock
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.lock = LeaderLock(services.redis, self.sweeps.keys.scheduler_lock(), self.name, lock_seconds)

@@ -43,7 +43,10 @@ PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
 """Highest first: the order in which workers look for work."""
 
 MAX_RATIOS = 32
-UPLOAD_SCHEMES = ("s3://", "file://")
+UPLOAD_SCHEME = "upload://"
+"""How POST /v1/uploads names a file (`upload://{upload_id}/{filename}`, read against the job's team)."""
+UPLOAD_SCHEMES = (UPLOAD_SCHEME, "s3://", "file://")
+"""Upload names a job may give; store URIs (s3://, file://) are what answers carried before."""
 
 _REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,99}$"
 

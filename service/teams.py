@@ -13,6 +13,7 @@ the API enforces the submission limits, the workers' claims the weights and runn
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,6 +47,14 @@ class TeamPolicy(BaseModel):
     upload_bytes: int = Field(..., ge=0)
     sweeps: int = Field(..., ge=0)
     min_schedule_seconds: int = Field(..., ge=0)
+
+
+def priority_problem(policy: TeamPolicy, priority: str) -> str | None:
+    """Why the team may not submit at `priority`, else None: `high` jumps every other team's jobs,
+    so only teams given `high_priority` may use it."""
+    if priority == "high" and not policy.high_priority:
+        return "priority high is not open to your team (high_priority in FTC_TEAMS); use normal or low"
+    return None
 
 
 def limit_source(limit: str) -> str:
@@ -82,8 +91,13 @@ class TeamPolicies:
     @classmethod
     def from_settings(cls, settings: Settings) -> TeamPolicies:
         """The defaults from `FTC_QUOTA_*`, the overrides from FTC_TEAMS; ValueError naming the bad entry."""
-        default = TeamPolicy(**{limit: getattr(settings, f"quota_{limit}") for limit in LIMIT_SETTINGS})
-        entries = _read_entries(settings.teams)
+        return cls.parse(settings.teams, tuple(getattr(settings, f"quota_{limit}") for limit in LIMIT_SETTINGS))
+
+    @classmethod
+    def parse(cls, spec: str, defaults: tuple[int, ...]) -> TeamPolicies:
+        """FTC_TEAMS's text `spec` over the default limits, in the order of LIMIT_SETTINGS."""
+        default = TeamPolicy(**dict(zip(LIMIT_SETTINGS, defaults, strict=True)))
+        entries = _read_entries(spec)
         overrides = {}
         for team, entry in entries.items():
             if not isinstance(entry, dict):
@@ -97,12 +111,20 @@ class TeamPolicies:
         return cls(default, overrides)
 
 
+def policies_for(settings: Settings) -> TeamPolicies:
+    """The policies of `settings`, parsed once (routes ask on every request; FTC_TEAMS may be a file)."""
+    return _parsed(settings.teams, tuple(getattr(settings, f"quota_{limit}") for limit in LIMIT_SETTINGS))
+
+
+_parsed = functools.lru_cache(maxsize=8)(TeamPolicies.parse)
+
+
 def _read_entries(spec: str) -> dict:
     text = spec.strip()
     if not text:
         return {}
     source = "FTC_TEAMS"
-    if not text.startswith("{"):
+    if not text.startswith(("{", "[")):
         path = Path(text)
         if not path.is_file():
             raise ValueError("FTC_TEAMS must be a JSON object or the path of a JSON file; no such file: " + text)

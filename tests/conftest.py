@@ -20,7 +20,7 @@ import pytest
 from api.app import create_app
 from service.settings import Settings
 from tests.support.servers import S3_ENV, MotoServer, RedisServer, serve_in_thread, start_moto, start_redis
-from tests.support.service import API_KEYS, JOB_REQUEST, S3_BUCKET, Api, require_redis_server
+from tests.support.service import API_KEYS, JOB_REQUEST, S3_BUCKET, TEAMS, Api, require_redis_server
 from tests.support.tiny import tiny_model
 
 # Runs keep what they cache across runs (ASVD's sensitivity lists) in a folder of the test session's,
@@ -86,6 +86,7 @@ def service_settings(
             "redis_url": redis_server.url,
             "key_prefix": f"test-{unique}",
             "api_keys": API_KEYS,
+            "teams": TEAMS,
             "janitor_interval_seconds": 0,
             "store_retries": 2,
             "store_backoff_seconds": 0.05,

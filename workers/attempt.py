@@ -112,8 +112,9 @@ class Attempt:
         request = self.record.request
         model = model_spec(request.model, request.revision, self.settings.models_dir)
         cache = Path(self.settings.work_dir) / "inputs"
-        calibration = local_dataset(self.store, request.calibration.dataset, cache)
-        datasets = {name: local_dataset(self.store, name, cache) for name in request.evaluation.datasets}
+        team = self.record.team
+        calibration = local_dataset(self.store, request.calibration.dataset, cache, team)
+        datasets = {name: local_dataset(self.store, name, cache, team) for name in request.evaluation.datasets}
         for task in request.evaluation.tasks:  # a worker without the task files fails before compressing
             task_file(task)
         options = compress_options(request, model, calibration, self.device)

@@ -15,8 +15,9 @@ from pathlib import Path
 from ftc.compress import CompressOptions
 from ftc.hub import parse_hub_id
 from ftc.options import MODEL_ALIASES, InputError
-from service.schemas import JobRequest, is_upload_uri
+from service.schemas import UPLOAD_SCHEME, JobRequest, is_upload_uri
 from service.store import ObjectMissing, ObjectStore
+from service.uploads import upload_key_for
 
 
 def model_spec(name: str, revision: str | None, models_dir: str | None) -> str:
@@ -45,19 +46,21 @@ def model_spec(name: str, revision: str | None, models_dir: str | None) -> str:
     return entry
 
 
-def local_dataset(store: ObjectStore, name: str, cache_dir: Path) -> str:
-    """A dataset name the library reads: built-in names as they are, uploads downloaded once.
+def local_dataset(store: ObjectStore, name: str, cache_dir: Path, team: str) -> str:
+    """A dataset name the library reads: built-in names as they are, `team`'s uploads downloaded once.
 
-    An upload is cached under a name derived from its URI (uploads never change), keeping its
-    suffix so the library knows how to read it. The path is the same on every attempt, which keeps
-    the resumable run's fingerprint (it includes the calibration source) stable across workers.
+    An upload is cached under a name derived from its URI (uploads never change; an `upload://`
+    name is the team's own, so the team is part of it), keeping its suffix so the library knows how
+    to read it. The path is the same on every attempt, which keeps the resumable run's fingerprint
+    (it includes the calibration source) stable across workers.
     """
     if not is_upload_uri(name):
         return name
-    key = store.key_for_uri(name)
+    key = upload_key_for(store, team, name)
     if key is None:
-        raise InputError(f"dataset {name} is not in this deployment's object store ({store.url})")
-    target = cache_dir / hashlib.sha256(name.encode()).hexdigest()[:24] / key.rsplit("/", 1)[-1]
+        raise InputError(f"dataset {name} is not one of this team's uploads in this deployment's object store")
+    source = key if name.startswith(UPLOAD_SCHEME) else name
+    target = cache_dir / hashlib.sha256(source.encode()).hexdigest()[:24] / key.rsplit("/", 1)[-1]
     if target.is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Request, Response, status
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api import metrics
 from api.deps import ServicesDep
+from api.gate import bearer_token, unauthorized_detail
 from service.redis_client import REDIS_DOWN_ERRORS
 
 router = APIRouter(tags=["health"])
@@ -30,10 +31,14 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "Redis or the object store is unreachable; says why"}})
-async def readyz(services: ServicesDep) -> JSONResponse:
+@router.get(
+    "/readyz",
+    responses={503: {"description": "Redis or the object store is unreachable; with an API key, says why"}},
+)
+async def readyz(services: ServicesDep, request: Request) -> JSONResponse:
     """Ready when Redis answers a PING and the object store answers a check, each within the Redis
-    timeout (FTC_REDIS_TIMEOUT_SECONDS)."""
+    timeout (FTC_REDIS_TIMEOUT_SECONDS). Without a valid API key the answer only says which
+    dependency is unreachable: the reasons name addresses, buckets and folders of the deployment."""
     timeout = services.settings.redis_timeout_seconds
     checks = {"redis": "ok", "store": "ok"}
     try:
@@ -45,10 +50,14 @@ async def readyz(services: ServicesDep) -> JSONResponse:
     except Exception as error:
         checks["store"] = reason(error, timeout)
     ready = all(value == "ok" for value in checks.values())
+    api_keys = request.app.state.api_keys
+    if unauthorized_detail(api_keys, bearer_token(request.headers.get("authorization"))) is not None:
+        checks = {name: value.partition(":")[0] for name, value in checks.items()}
     code = status.HTTP_200_OK if ready else status.HTTP_503_SERVICE_UNAVAILABLE
     return JSONResponse({"status": "ready" if ready else "not ready", **checks}, code)
 
 
 @router.get("/metrics", response_class=Response)
-async def prometheus_metrics(services: ServicesDep) -> Response:
-    return Response(await metrics.render(services), media_type=CONTENT_TYPE_LATEST)
+async def prometheus_metrics(services: ServicesDep, request: Request) -> Response:
+    teams = sorted(request.app.state.api_keys.teams)
+    return Response(await metrics.render(services, teams), media_type=CONTENT_TYPE_LATEST)

@@ -11,8 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AppSettings, Jobs, Store, Team
 from api.errors import documented
+from api.quotas import refuse_beyond
 from service.ids import ID_PATTERN
 from service.schemas import JobPage, JobRecord, JobRequest, JobStatus, calibration_limit_problems, is_upload_uri
+from service.teams import policies_for
 from service.uploads import upload_problems
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=documented(401, 503))
@@ -41,7 +43,7 @@ def _json(record: JobRecord, code: int, headers: dict[str, str] | None = None) -
     response_model=JobRecord,
     responses={
         200: {"model": JobRecord, "description": "An earlier submission with this Idempotency-Key (or body)"},
-        **documented(400, 409),
+        **documented(400, 403, 409, 429),
     },
 )
 async def submit_job(
@@ -52,14 +54,17 @@ async def submit_job(
     settings: AppSettings,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
 ) -> Response:
-    """Queue a job (with `ratios`, one linked job per ratio; the first is returned)."""
+    """Queue a job (with `ratios`, one linked job per ratio; the first is returned). Beyond one of the
+    team's quotas (queued jobs, submissions a minute) the answer is 429 naming the limit."""
+    policy = policies_for(settings).of(team)
+    refuse_beyond(policy, body.priority, len(body.keep_ratios()), ("body", "ratios"))
     if problems := calibration_limit_problems(body.calibration, settings.max_calib_tokens, ("body", "calibration")):
         raise RequestValidationError(problems)
     if any(is_upload_uri(name) for name in body.datasets()):  # only then is the store consulted
         problems = await asyncio.to_thread(upload_problems, store, team, body)
         if problems:
             raise RequestValidationError(problems)
-    submission = await jobs.submit(team, body, idempotency_key)
+    submission = await jobs.submit(team, body, idempotency_key, policy=policy)
     record = submission.record
     headers = {"Location": f"/v1/jobs/{record.id}"}
     if submission.replayed:

@@ -14,14 +14,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AppSettings, Store, Team
 from api.errors import Problem, documented
+from api.quotas import refuse_beyond
 from service.ids import ID_PATTERN
 from service.schemas import calibration_limit_problems, is_upload_uri
 from service.store import ObjectMissing
 from service.store.layout import check_key
 from service.sweeps import SweepCancelled, SweepRecord, SweepRequest, SweepStore
+from service.sweeps.cron import schedule_gap_problem
 from service.sweeps.expand import job_sets
 from service.sweeps.files import list_files, media_type, sweep_prefix
 from service.sweeps.schemas import SweepFileList, SweepPage
+from service.teams import policies_for
 from service.uploads import upload_problems
 
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"], responses=documented(401, 503))
@@ -41,7 +44,8 @@ async def get_sweeps(request: Request) -> SweepStore:
     state = request.app.state
     sweeps = getattr(state, "sweeps", None)
     if sweeps is None or sweeps.redis is not state.services.redis:
-        sweeps = state.sweeps = SweepStore(state.services.redis, state.services.jobs)
+        services = state.services
+        sweeps = state.sweeps = SweepStore(services.redis, services.jobs, teams=services.teams)
     return sweeps
 
 
@@ -69,12 +73,22 @@ async def _require(sweeps: SweepStore, team: str, sweep_id: str, run_id: str | N
     return record
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=SweepRecord, responses=documented(400))
+@router.post(
+    "", status_code=status.HTTP_201_CREATED, response_model=SweepRecord, responses=documented(400, 403, 429)
+)
 async def create_sweep(
     body: SweepRequest, team: Team, sweeps: Sweeps, store: Store, settings: AppSettings
 ) -> Response:
     """Create a campaign. Without `schedule` its first run starts now (the answer lists its cells'
-    jobs); with one, runs start at the schedule's times (`next_run_at`), fired by `ftc scheduler`."""
+    jobs); with one, runs start at the schedule's times (`next_run_at`), fired by `ftc scheduler`.
+    Its jobs count against the team's queued-jobs quota and are queued as room frees up; the team's
+    live sweeps are limited (429), and so is how often a schedule may fire (422)."""
+    policy = policies_for(settings).of(team)
+    refuse_beyond(policy, body.priority, len(body.ratios), ("body", "ratios"))
+    if body.schedule and (
+        problem := schedule_gap_problem(body.schedule, body.timezone, policy.min_schedule_seconds, time.time())
+    ):
+        raise RequestValidationError([{"loc": ("body", "schedule"), "msg": problem, "type": "value_error"}])
     if problems := calibration_limit_problems(body.calibration, settings.max_calib_tokens, ("body", "calibration")):
         raise RequestValidationError(problems)
     if any(is_upload_uri(name) for name in [body.calibration.dataset, *body.evaluation.datasets]):
@@ -118,7 +132,7 @@ async def cancel_sweep(sweep_id: SweepId, team: Team, sweeps: Sweeps) -> Respons
     "/{sweep_id}/runs",
     status_code=status.HTTP_201_CREATED,
     response_model=SweepRecord,
-    responses=_NOT_FOUND | _CANCELLED,
+    responses=_NOT_FOUND | _CANCELLED | documented(429),
 )
 async def run_sweep_now(sweep_id: SweepId, team: Team, sweeps: Sweeps) -> Response:
     """Start one more run of the campaign now, outside its schedule; the answer shows the new run."""

@@ -51,6 +51,7 @@ class S3Store(ObjectStore):
     @staticmethod
     def _client(endpoint_url: str | None, region: str) -> Any:
         config = Config(
+            signature_version="s3v4",  # presigned links too: SigV2 links are refused by newer buckets and regions
             retries={"total_max_attempts": 1},
             connect_timeout=3,
             read_timeout=60,

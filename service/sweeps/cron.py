@@ -13,6 +13,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import CroniterError, croniter
 
+from service.teams import limit_source
+
 ALIASES = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
 
 
@@ -59,3 +61,26 @@ def latest_slot(expression: str, timezone: str, at: float) -> float:
     """The last slot at or before `at`."""
     # get_prev is strictly earlier than its start, and slots fall on whole seconds: start just past `at`.
     return croniter(expression, _at(math.floor(at) + 1, timezone)).get_prev(float)
+
+
+GAP_SLOTS = 400
+"""Slots looked at for a schedule's shortest gap: a year and more of a daily schedule."""
+
+
+def schedule_gap_problem(expression: str, timezone: str, at_least_seconds: int, now: float) -> str | None:
+    """Why `expression` fires too often (two slots closer than `at_least_seconds` among its next
+    GAP_SLOTS), else None. A deployment limit: `* * * * *` on a sweep of 512 cells is 512 jobs a minute."""
+    if at_least_seconds <= 0:
+        return None
+    slots = croniter(expression, _at(now, timezone))
+    previous = slots.get_next(float)
+    for _ in range(GAP_SLOTS):
+        following = slots.get_next(float)
+        if following - previous < at_least_seconds:
+            return (
+                f"schedule {expression!r} fires {following - previous:g} s after a run at times; runs of a sweep "
+                f"must be at least {at_least_seconds} s apart here (min_schedule_seconds: "
+                f"{limit_source('min_schedule_seconds')}); use a sparser schedule"
+            )
+        previous = following
+    return None

@@ -7,6 +7,7 @@ Layout under a prefix (default `ftc`):
     {p}:sweep:{id}:run:{run}         hash    one run: trigger, slot, planned cells, jobs:{set} ids, report
     {p}:sweep:{id}:slot:{epoch}      string  the run a cron slot fired (SET NX: a slot fires once)
     {p}:team:{team}:sweeps           zset    every sweep id of a team (score 0; ids sort by time)
+    {p}:team:{team}:sweeps:live      set     the team's live sweeps: scheduled, or with a run open (quota)
     {p}:sweeps:scheduled             zset    scheduled sweep ids, scored by their next slot
     {p}:sweeps:open                  set     "{sweep}/{run}" of runs still being expanded or reported
     {p}:scheduler:lock               string  the active scheduler's token (expires unless renewed)
@@ -35,6 +36,9 @@ class SweepKeys:
 
     def team_sweeps(self, team: str) -> str:
         return f"{self.prefix}:team:{team}:sweeps"
+
+    def live_sweeps(self, team: str) -> str:
+        return f"{self.prefix}:team:{team}:sweeps:live"
 
     def scheduled(self) -> str:
         return f"{self.prefix}:sweeps:scheduled"

@@ -7,6 +7,11 @@ field of its own (`jobs:{set}`). A run whose expansion was interrupted stays in 
 finished by the next `expand` (the scheduler retries open runs); the idempotency keys make a second
 submission return the jobs of the first, so two expanders at once (the API and the scheduler) write
 the same ids. Cell statuses are always read from the jobs themselves.
+
+A run's jobs count against its team's queued-jobs quota like any other: `expand` submits job sets
+while they fit and leaves the rest for a later pass (the scheduler retries open runs), so a large
+run fills the queue as room frees up instead of failing. A team holds at most its `sweeps` quota of
+live sweeps (scheduled, or with a run still open): `{p}:team:{team}:sweeps:live`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from service.errors import QuotaExceeded
 from service.ids import new_id
 from service.jobs import JobStore
 from service.schemas import TERMINAL_STATUSES, Progress
@@ -36,6 +42,10 @@ from service.sweeps.schemas import (
     SweepSummary,
 )
 from service.sweeps.status import counts, run_status
+from service.teams import TeamPolicies, limit_source
+
+RETRY_AFTER_SWEEPS_SECONDS = 60
+"""When to try again after the sweeps quota: a live one-off sweep stops counting when its run ends."""
 
 SLOT_MARKER_SECONDS = 35 * 24 * 3600
 """How long a fired slot is remembered; longer than any schedule's gap between two slots."""
@@ -64,11 +74,13 @@ end
 _CREATE = (
     _ADD_RUN
     + """
-local sweep_key, team_key, scheduled_key, runs_key, run_key, open_key = unpack(KEYS)
-local sweep_id, sweep_fields, first_slot, run_id, run_fields, now = unpack(ARGV)
+local sweep_key, team_key, scheduled_key, runs_key, run_key, open_key, live_key = unpack(KEYS)
+local sweep_id, sweep_fields, first_slot, run_id, run_fields, now, most = unpack(ARGV)
 if redis.call('EXISTS', sweep_key) == 1 then return 'exists' end
+if tonumber(most) > 0 and redis.call('SCARD', live_key) >= tonumber(most) then return 'quota' end
 hset_json(sweep_key, sweep_fields)
 redis.call('ZADD', team_key, 0, sweep_id)
+redis.call('SADD', live_key, sweep_id)
 if first_slot ~= '' then redis.call('ZADD', scheduled_key, first_slot, sweep_id) end
 if run_id ~= '' then add_run(sweep_key, runs_key, run_key, open_key, sweep_id, run_id, run_fields, now) end
 return 'created'
@@ -78,13 +90,17 @@ return 'created'
 _START = (
     _ADD_RUN
     + """
-local sweep_key, runs_key, run_key, open_key, scheduled_key, marker_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
-  KEYS[5], KEYS[6]
-local sweep_id, run_id, run_fields, now, following_slot, marker_seconds = unpack(ARGV)
+local sweep_key, runs_key, run_key, open_key, scheduled_key, live_key, marker_key = KEYS[1], KEYS[2], KEYS[3],
+  KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local sweep_id, run_id, run_fields, now, following_slot, marker_seconds, most = unpack(ARGV)
 if redis.call('EXISTS', sweep_key) == 0 then return {'missing', ''} end
 if redis.call('HEXISTS', sweep_key, 'cancelled_at') == 1 then
   redis.call('ZREM', scheduled_key, sweep_id)
   return {'cancelled', ''}
+end
+if redis.call('SISMEMBER', live_key, sweep_id) == 0 then  -- a finished one-off sweep run again is live again
+  if tonumber(most) > 0 and redis.call('SCARD', live_key) >= tonumber(most) then return {'quota', ''} end
+  redis.call('SADD', live_key, sweep_id)
 end
 if following_slot ~= '' then redis.call('ZADD', scheduled_key, 'GT', following_slot, sweep_id) end
 if marker_key then
@@ -184,10 +200,14 @@ def _seconds(value: str | None) -> float | None:
 class SweepStore:
     """Sweeps of all teams in one Redis; reads and cancellations are scoped to the caller's team."""
 
-    def __init__(self, redis: Redis, jobs: JobStore, keys: SweepKeys | None = None) -> None:
+    def __init__(
+        self, redis: Redis, jobs: JobStore, keys: SweepKeys | None = None, teams: TeamPolicies | None = None
+    ) -> None:
         self.redis = redis
         self.jobs = jobs
         self.keys = keys or SweepKeys(jobs.keys.prefix)
+        self.teams = teams
+        """Each team's quotas: queued jobs while expanding, live sweeps when creating; None: no limits."""
         self._create = redis.register_script(_CREATE)
         self._start = redis.register_script(_START)
 
@@ -206,7 +226,7 @@ class SweepStore:
         first_slot = "" if request.schedule is None else repr(next_slot(request.schedule, request.timezone, now))
         run_id, run_fields = ("", "{}") if request.schedule else self._planned_run(team, request, "create", now)
         keys = self.keys
-        await self._create(
+        outcome = await self._create(
             keys=[
                 keys.sweep(sweep_id),
                 keys.team_sweeps(team),
@@ -214,9 +234,12 @@ class SweepStore:
                 keys.runs(sweep_id),
                 keys.run(sweep_id, run_id),
                 keys.open_runs(),
+                keys.live_sweeps(team),
             ],
-            args=[sweep_id, json.dumps(fields), first_slot, run_id, run_fields, repr(now)],
+            args=[sweep_id, json.dumps(fields), first_slot, run_id, run_fields, repr(now), self._most_sweeps(team)],
         )
+        if outcome == "quota":
+            raise self._sweeps_refused(team)
         if run_id:
             await self.expand(sweep_id, run_id)
         return sweep_id
@@ -259,15 +282,19 @@ class SweepStore:
             self.keys.run(sweep_id, run_id),
             self.keys.open_runs(),
             self.keys.scheduled(),
+            self.keys.live_sweeps(team),
         ]
         if slot is not None:
             keys.append(self.keys.slot(sweep_id, slot))
         following = "" if following_slot is None else repr(following_slot)
         outcome, _run = await self._start(
-            keys=keys, args=[sweep_id, run_id, run_fields, repr(now), following, SLOT_MARKER_SECONDS]
+            keys=keys,
+            args=[sweep_id, run_id, run_fields, repr(now), following, SLOT_MARKER_SECONDS, self._most_sweeps(team)],
         )
         if outcome == "cancelled":
             raise SweepCancelled(sweep_id)
+        if outcome == "quota":
+            raise self._sweeps_refused(team)
         if outcome == "missing":
             raise KeyError(sweep_id)
         if outcome == "taken":
@@ -275,8 +302,21 @@ class SweepStore:
         await self.expand(sweep_id, run_id)
         return run_id
 
+    def _most_sweeps(self, team: str) -> int:
+        return self.teams.of(team).sweeps if self.teams else 0
+
+    def _sweeps_refused(self, team: str) -> QuotaExceeded:
+        most = self._most_sweeps(team)
+        return QuotaExceeded(
+            "sweeps",
+            f"your team has {most} live sweeps (scheduled, or with a run under way), its limit (sweeps: "
+            f"{limit_source('sweeps')}); cancel one, or retry when a run has ended",
+            RETRY_AFTER_SWEEPS_SECONDS,
+        )
+
     async def expand(self, sweep_id: str, run_id: str) -> None:
-        """Submit the run's job sets that have no jobs yet; safe to repeat and to run concurrently."""
+        """Submit the run's job sets that have no jobs yet, as long as they fit the team's queued-jobs
+        quota (the rest on a later call); safe to repeat and to run concurrently."""
         sweep = await self.redis.hgetall(self.keys.sweep(sweep_id))
         run_key = self.keys.run(sweep_id, run_id)
         run = await self.redis.hgetall(run_key)
@@ -288,7 +328,13 @@ class SweepStore:
         for group in sorted({c.group for c in cells if c.job_id is None}):
             if await self.redis.hexists(self.keys.sweep(sweep_id), "cancelled_at"):
                 break
-            submission = await self.jobs.submit(team, sets[group], idempotency_key(sweep_id, run_id, group))
+            policy = self.teams.of(team) if self.teams else None
+            try:
+                submission = await self.jobs.submit(
+                    team, sets[group], idempotency_key(sweep_id, run_id, group), policy=policy, rate_limited=False
+                )
+            except QuotaExceeded:  # the queue is full for this team: the rest waits for room
+                break
             # Saved per set, so an interrupted expansion resumes where it stopped.
             job_ids = [submission.record.id, *submission.record.linked]
             await self.redis.hset(run_key, _jobs_field(group), json.dumps(job_ids))
@@ -309,6 +355,7 @@ class SweepStore:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hset(sweep_key, mapping={"cancelled_at": repr(now), "updated_at": repr(now)})
                 pipe.zrem(self.keys.scheduled(), sweep_id)
+                pipe.srem(self.keys.live_sweeps(team), sweep_id)
                 await pipe.execute()
         for open_sweep, run_id in await self.open_runs():
             if open_sweep == sweep_id:
@@ -326,8 +373,14 @@ class SweepStore:
     async def finish_run(
         self, sweep_id: str, run_id: str, status: str, cell_counts: dict[str, int], report: RunReport, now: float
     ) -> None:
-        """Freeze how the run ended, with its report, and take it off the open set."""
+        """Freeze how the run ended, with its report, and take it off the open set; a sweep without a
+        schedule and without another open run is no longer live."""
+        sweep = await self.redis.hgetall(self.keys.sweep(sweep_id))
+        request = SweepRequest.model_validate_json(sweep["request"]) if sweep else None
+        others_open = any(s == sweep_id and r != run_id for s, r in await self.open_runs())
         async with self.redis.pipeline(transaction=True) as pipe:
+            if request is not None and request.schedule is None and not others_open:
+                pipe.srem(self.keys.live_sweeps(sweep["team"]), sweep_id)
             pipe.hset(
                 self.keys.run(sweep_id, run_id),
                 mapping={

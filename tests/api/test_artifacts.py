@@ -8,6 +8,7 @@ import httpx
 
 from service.store import open_store
 from service.store.layout import checkpoint_name, job_prefix
+from service.uploads import upload_key_for
 from tests.support.service import Api
 
 CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog.\n" * 50
@@ -37,7 +38,8 @@ def test_upload_a_calibration_file_and_submit_a_job_that_uses_it(any_store_api: 
     assert upload["sha256"] == hashlib.sha256(CALIBRATION_TEXT.encode()).hexdigest()
     settings = any_store_api.settings
     store = open_store(settings.store_url, settings.s3_endpoint_url)
-    assert store.get_bytes(store.key_for_uri(upload["uri"])).decode() == CALIBRATION_TEXT
+    assert upload["uri"].startswith("upload://upl_") and upload["uri"].endswith("/calib.txt")  # no server path
+    assert store.get_bytes(upload_key_for(store, "team-a", upload["uri"])).decode() == CALIBRATION_TEXT
 
     body = {**job_request, "calibration": {**job_request["calibration"], "dataset": upload["uri"]}}
     created = client.post("/v1/jobs", json=body)

@@ -20,6 +20,8 @@ T = TypeVar("T")
 TEAM_KEYS = {"team-a": "key-team-a-0123456789", "team-b": "key-team-b-0123456789"}
 """Two teams, to show that neither can see the other's jobs."""
 API_KEYS = ",".join(f"{key}:{team}" for team, key in TEAM_KEYS.items())
+TEAMS = '{"team-a": {"high_priority": true}}'
+"""FTC_TEAMS of the test deployment: team-a may use priority high, team-b has the defaults."""
 S3_BUCKET = "ftc-test"
 
 

@@ -25,6 +25,7 @@ from service.runtime import Services
 from service.schemas import TERMINAL_STATUSES, JobRecord, JobRequest
 from service.store import LocalStore
 from service.store.layout import job_prefix, upload_key
+from service.uploads import upload_uri
 from tests.support.service import run_async
 from tests.support.workers import worker_job_request
 from workers.actor import JobWorker
@@ -115,9 +116,9 @@ def test_a_job_runs_to_success_and_publishes_artifact_metrics_checkpoints_and_lo
     settings = worker_settings()
     root, model = models_dir(layers=4)
     store = LocalStore(settings.store_url)
-    calibration_key = upload_key(TEAM, new_id("upl"), "calib.txt")
-    store.put_bytes(calibration_key, load_text("wikitext2", "validation")[:200_000].encode())
-    calibration_uri = store.uri(calibration_key)
+    upload_id = new_id("upl")
+    store.put_bytes(upload_key(TEAM, upload_id, "calib.txt"), load_text("wikitext2", "validation")[:200_000].encode())
+    calibration_uri = upload_uri(upload_id, "calib.txt")  # as POST /v1/uploads names it
     request = worker_job_request(
         model,
         calibration={"dataset": calibration_uri, "samples": 4, "seq_len": 64, "seed": 1},

@@ -14,10 +14,12 @@ import pytest
 from botocore.awsrequest import AWSResponse
 
 from ftc.options import InputError
+from service.ids import new_id
 from service.retry import RetryPolicy
 from service.schemas import JobRequest
 from service.store import LocalStore, ObjectStore, S3Store, StoreUnavailable
 from service.store.layout import checkpoint_name, job_prefix, upload_key
+from service.uploads import upload_uri
 from tests.support.service import JOB_REQUEST, S3_BUCKET
 from workers.checkpoints import CheckpointSync, finished_layers
 from workers.inputs import compress_options, local_dataset, model_spec
@@ -141,18 +143,25 @@ def test_models_are_aliases_or_folders_and_files_under_the_models_dir(tmp_path: 
 
 def test_uploaded_datasets_are_downloaded_once_keeping_their_suffix(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
-    key = upload_key("team-a", "upl_1", "calib.jsonl")
+    upload_id = new_id("upl")
+    key = upload_key("team-a", upload_id, "calib.jsonl")
     store.put_bytes(key, b'{"text": "hello"}\n')
+    name = upload_uri(upload_id, "calib.jsonl")
     cache = tmp_path / "cache"
-    assert local_dataset(store, "wikitext2", cache) == "wikitext2"
-    local = local_dataset(store, store.uri(key), cache)
+    assert local_dataset(store, "wikitext2", cache, "team-a") == "wikitext2"
+    local = local_dataset(store, name, cache, "team-a")
     assert local.endswith("calib.jsonl") and Path(local).read_bytes() == b'{"text": "hello"}\n'
+    assert local_dataset(store, store.uri(key), cache, "team-a").endswith("calib.jsonl")  # as answers named it before
     store.delete(key)
-    assert local_dataset(store, store.uri(key), cache) == local, "cached: the same path on every attempt"
+    assert local_dataset(store, name, cache, "team-a") == local, "cached: the same path on every attempt"
     with pytest.raises(InputError, match="no longer in the object store"):
-        local_dataset(store, store.uri(upload_key("team-a", "upl_2", "gone.txt")), cache)
-    with pytest.raises(InputError, match="not in this deployment's object store"):
-        local_dataset(store, "s3://elsewhere/calib.txt", cache)
+        local_dataset(store, upload_uri(new_id("upl"), "gone.txt"), cache, "team-a")
+    with pytest.raises(InputError, match="no longer in the object store"):  # another team's: not found for this one
+        local_dataset(store, name, tmp_path / "other-cache", "team-b")
+    for elsewhere in ("s3://elsewhere/calib.txt", store.uri(key), "upload://job_x/calib.txt"):
+        team = "team-b" if elsewhere == store.uri(key) else "team-a"
+        with pytest.raises(InputError, match="not one of this team's uploads"):
+            local_dataset(store, elsewhere, cache, team)
 
 
 # --- progress, errors, log ---------------------------------------------------------------------------
