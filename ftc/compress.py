@@ -21,7 +21,7 @@ import torch
 from . import __version__
 from .arch import AttentionLayout, layer_types, layout_of
 from .artifact import LayerStore, assemble, extra_names, layer_entry, layer_tensors
-from .data import calibration_ids, ids_sha256, load_text, tokenize
+from .data import calibration_ids, calibration_text, ids_sha256, load_text, tokenize
 from .methods import Method, make_method
 from .models import load_tokenizer, pick_device, resolve_model
 from .options import (
@@ -80,11 +80,18 @@ class CompressOptions:
 
 
 def library_versions() -> dict:
+    """Library versions, and the thread count and kernels the numbers were computed with: the
+    artifact is the same on any thread count (ftc-method.md §16), and this is how one checks."""
+    import re
+
     import safetensors
     import transformers
 
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
     return {"ftc": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__, "python": platform.python_version()}
+            "safetensors": safetensors.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "blas": blas.group(1) if blas else "unknown",
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability()}
 
 
 def calibration_batch(tokenizer, options: CompressOptions, hidden: int) -> torch.Tensor:
@@ -262,7 +269,8 @@ def build_manifest(options: CompressOptions, method: Method, source, layout: Att
         "allocation": {"kind": options.allocation,
                        "layer_budgets": None if method.budgets is None else list(method.budgets)},
         "calibration": None if calib is None else {
-            "source": options.calib, "split": "validation", "samples": options.calib_samples,
+            "source": options.calib, "split": "validation", "text": calibration_text(options.calib),
+            "samples": options.calib_samples,
             "seq_len": options.seq_len, "tokens": calib.numel(), "seed": options.seed,
             "sha256": ids_sha256(calib)},
         "storage": storage_summary(layout, entries, options.ratio, method.storage_dtype, run.dense_params),
@@ -283,9 +291,9 @@ def storage_summary(layout: AttentionLayout, entries: list[dict], ratio: float, 
     original_attention = n_layers * (layout.qkv_params + layout.o_params)
     return {
         "value_bytes": torch.finfo(dtype).bits // 8,
-        "qkv_budget_values": n_layers * int(ratio * layout.qkv_params),
+        "qkv_budget_values": sum(entry["budget_values"]["qkv"] for entry in entries),
         "qkv_values_used": qkv_used,
-        "o_budget_values": n_layers * int(ratio * layout.o_params),
+        "o_budget_values": sum(entry["budget_values"]["o"] for entry in entries),
         "attention_budget_values": int(ratio * n_layers * (layout.qkv_params + layout.o_params)),
         "o_values_used": o_used,
         "attention_bytes_written": sum(g["bytes"] for g in groups),

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .metric import WORK_DTYPE, Whitening
-from .tucker import hosvd, whiten_and_balance
+from .tucker import hosvd, tie_key, whiten_and_balance
 
 MAX_SWEEPS = 30
 """ALS sweeps at most **[choice]**: the relative improvement usually falls below `TOLERANCE` first."""
@@ -92,7 +92,7 @@ def hosvd_init(tensor: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Ten
     energy = core.pow(2).sum(0)  # (m1, m2)
     if rank > energy.numel():
         raise ValueError(f"CP rank {rank} exceeds the {energy.numel()} HOSVD terms; the tensor needs no more")
-    flat = torch.topk(energy.flatten(), rank).indices
+    flat = torch.sort(tie_key(energy.flatten()), descending=True, stable=True).indices[:rank]  # ties by index (§16)
     i, j = flat // energy.shape[1], flat % energy.shape[1]
     return u1[:, i], u2[:, j], core[:, i, j]
 
@@ -240,10 +240,10 @@ class CPFactors:
         (d, rank), dh, slices = self.a.shape, self.b.shape[0], self.c.shape[0]
         return cp_storage_values(d, dh, slices, rank)
 
-    def weights(self) -> torch.Tensor:
-        """The reconstructed `(S, d, dh)` tensor."""
+    def weights(self, slices: slice = slice(None), columns: slice = slice(None)) -> torch.Tensor:
+        """The reconstructed `(S, d, dh)` tensor, or its block `[slices, :, columns]`."""
         dtype = self.a.dtype
-        return cp_reconstruct(self.a, self.b.to(dtype), self.c.to(dtype))
+        return cp_reconstruct(self.a, self.b[columns].to(dtype), self.c[slices].to(dtype))
 
 
 @dataclass(frozen=True)
@@ -272,16 +272,15 @@ def compress_cp(
 
     `tensor` is `(S, d, dh)` in `(in, out)` layout per slice; `budget` counts stored values;
     `weights` weigh the slices' shares of the objective as in FTC (`whiten_and_balance`). The
-    ALS runs on the float32 tensor of `whiten_and_balance`, like FTC's refits; the reported error
-    is measured in float64 on the returned factors. Each term's scale is split evenly over its
+    ALS runs in float64 on the tensor of `whiten_and_balance`, like FTC's refits (§16), and the
+    reported error is measured on the returned factors. Each term's scale is split evenly over its
     three factors so all of them stay in 16-bit range.
     """
     slices, d, dh = tensor.shape
     balanced, norms = whiten_and_balance(tensor, whitening, balance, weights)
     rank = min(cp_rank(budget, d, dh, slices), min(d, slices * dh) * min(dh, slices * d))
     fit = cp_als(balanced, rank, max_sweeps=max_sweeps, tolerance=tolerance)
-    balanced = balanced.to(WORK_DTYPE)
-    a, b, c = (x.to(WORK_DTYPE) for x in (fit.a, fit.b, fit.c))
+    a, b, c = fit.a, fit.b, fit.c
     scale = c.norm(dim=0).clamp_min(torch.finfo(WORK_DTYPE).tiny) ** (1 / 3)
     a, b, c = a * scale, b * scale, c / scale**2
     error = float((balanced - cp_reconstruct(a, b, c)).pow(2).sum() / balanced.pow(2).sum())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .options import InputError
+from .options import DATASETS, InputError, dataset_split_problem
 
 PACKAGE_DATA = Path(__file__).parent / "data"
 SPLITS = ("test", "validation")
@@ -57,13 +57,44 @@ def _file_text(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
+TUNE_FIRST_ARTICLE = " = Military history of Australia = "
+"""Where WikiText-2's validation file splits in two (a whole-article boundary, at 70% of its text):
+calibration windows are drawn from the articles before it, `wikitext2-tune`'s evaluation windows are
+the articles from it on. Every constant and design of the method is chosen on `wikitext2-tune`, so
+the test file is read only for reported tables (ftc-method.md §16)."""
+
+
+def _validation_parts(name: str) -> tuple[list[str], list[str]]:
+    """The lines of a WikiText-2 validation file before and from `TUNE_FIRST_ARTICLE`. The raw and
+    the tokenized file have the same lines (the tokenized one with `<unk>` for rare words), so both
+    split at the same heading."""
+    lines = _read_lines(PACKAGE_DATA / name)
+    cut = lines.index(TUNE_FIRST_ARTICLE)
+    return lines[:cut], lines[cut:]
+
+
 def load_text(dataset: str, split: str = "test") -> str:
-    """The raw text of `dataset` (`wikitext2`, `ptb`, or a file path) for `split`."""
+    """The raw text of `dataset` for `split` ("test" for evaluation, "validation" for calibration).
+
+    `wikitext2`: the raw test file to evaluate; to calibrate, the raw validation file's articles
+    before `TUNE_FIRST_ARTICLE`, the same format as the test file. `wikitext2-tune`: the rest of the
+    raw validation file, for evaluation only (choosing constants without reading the test file).
+    `wikitext2-tokenized`: calibration from the tokenized variant of the same articles (rare words
+    as `<unk>`), the text calibration read before, kept to compare. `ptb` from `FTC_DATA_DIR`; any
+    `.txt`/`.jsonl` path.
+    """
     if split not in SPLITS:
         raise DatasetError(f"split must be one of {SPLITS}; got {split!r}")
+    if problem := dataset_split_problem(dataset, split):
+        raise DatasetError(problem)
     if dataset == "wikitext2":
-        name = "wiki.test.raw" if split == "test" else "wiki.valid.tokens"
-        return _rows_as_text(_read_lines(PACKAGE_DATA / name))
+        if split == "test":
+            return _rows_as_text(_read_lines(PACKAGE_DATA / "wiki.test.raw"))
+        return _rows_as_text(_validation_parts("wiki.valid.raw")[0])
+    if dataset == "wikitext2-tune":
+        return _rows_as_text(_validation_parts("wiki.valid.raw")[1])
+    if dataset == "wikitext2-tokenized":
+        return _rows_as_text(_validation_parts("wiki.valid.tokens")[0])
     if dataset == "ptb":
         root = data_dir()
         path = root / "ptb" / f"ptb.{'test' if split == 'test' else 'valid'}.txt" if root else None
@@ -73,7 +104,17 @@ def load_text(dataset: str, split: str = "test") -> str:
     path = Path(dataset)
     if path.suffix in (".txt", ".jsonl", ".raw", ".tokens") and path.is_file():
         return _file_text(path)
-    raise DatasetError(f"unknown dataset {dataset!r}; use wikitext2, ptb, or a path to a .txt/.jsonl file")
+    if path.suffix in (".txt", ".jsonl", ".raw", ".tokens"):
+        raise DatasetError(f"dataset file {dataset} does not exist; give the path of a .txt or .jsonl file")
+    raise DatasetError(f"unknown dataset {dataset!r}; use {', '.join(DATASETS)}, or a path to a .txt/.jsonl file")
+
+
+def calibration_text(dataset: str) -> str:
+    """What calibration on `dataset` reads, in words, for the manifest."""
+    before = f"articles before '{TUNE_FIRST_ARTICLE.strip(' =')}'"
+    return {"wikitext2": f"WikiText-2 raw validation file, {before}",
+            "wikitext2-tokenized": f"WikiText-2 tokenized validation file (<unk>), {before}",
+            "ptb": "PTB validation file"}.get(dataset, f"file {dataset}")
 
 
 def text_chunks(text: str, size: int = 1 << 16, separator: str = "\n\n"):

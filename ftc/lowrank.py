@@ -8,36 +8,43 @@ from __future__ import annotations
 
 import torch
 
-from .metric import DEFAULT_EPS, WORK_DTYPE, Whitening, damped_factors, guarded_fit, relative_error
+from .metric import (
+    WORK_DTYPE,
+    ActivationError,
+    Approximation,
+    Whitening,
+    damped_factors,
+    guarded_fit,
+    pivot_signs,
+)
+
+
+def rank_within(values: int, rows: int, cols: int) -> int:
+    """Largest rank whose two factors `(rows x r)`, `(r x cols)` fit `values` stored values (at least 1)."""
+    return max(1, values // (rows + cols))
 
 
 def budget_rank(rows: int, cols: int, keep_ratio: float) -> int:
-    """Largest rank whose two factors fit `keep_ratio * rows * cols` values (at least 1)."""
-    return max(1, int(keep_ratio * rows * cols / (rows + cols)))
-
-
-FACTOR_DTYPE = torch.float32
-"""Precision of the truncated SVDs (see `truncated_svd`)."""
+    """Largest rank whose two factors fit `keep_ratio * rows * cols` values (§1; at least 1)."""
+    return rank_within(int(keep_ratio * rows * cols), rows, cols)
 
 
 def truncated_svd(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Best rank-`rank` Frobenius approximation `A @ B`, singular values split evenly.
 
     The even split keeps both factors in the same numeric range, which matters once they are
-    stored in 16-bit floats. The SVD itself runs in float32 (`FACTOR_DTYPE`), about twice as fast
-    as float64 and far more precise than the 16-bit factors it produces; ill-conditioning is the
-    metric's problem, and whitening and its inverse stay in float64. Factors come back in float64.
+    stored in 16-bit floats. The SVD runs in float64 with canonical signs (ftc-method.md §16): in
+    float32 its vectors move by 1e-4 with the thread count on a 576-wide matrix, enough to change
+    the stored factors and, through the next layer's statistics, later choices.
     """
-    u, s, vh = torch.linalg.svd(w.to(FACTOR_DTYPE), full_matrices=False)
-    root = s[:rank].sqrt()
-    return (u[:, :rank] * root).to(WORK_DTYPE), (root[:, None] * vh[:rank]).to(WORK_DTYPE)
+    u, s, vh = torch.linalg.svd(w.to(WORK_DTYPE), full_matrices=False)
+    scale = s[:rank].sqrt() * pivot_signs(u[:, :rank])  # a sign flip on both sides leaves A @ B unchanged
+    return u[:, :rank] * scale, scale[:, None] * vh[:rank]
 
 
 def whitened_svd(w: torch.Tensor, whitening: Whitening, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Activation-weighted truncated SVD: SVD of `R^T W`, then `A = R^{-T} A~` (§3, §8; SVD-LLM)."""
-    # converted before the call, so the float64 product is freed before the SVD's workspace exists
-    white = whitening.apply(w.to(WORK_DTYPE)).to(FACTOR_DTYPE)
-    a, b = truncated_svd(white, rank)
+    a, b = truncated_svd(whitening.apply(w.to(WORK_DTYPE)), rank)
     return whitening.unapply(a), b
 
 
@@ -55,8 +62,7 @@ def scaled_svd(
 
 
 COLUMNS = 512
-"""Columns per step of `anchored_rhs` and `weighted_error`: their float64 temporaries are this
-wide, not `out`."""
+"""Columns per step of `anchored_rhs`: its float64 temporaries are this wide, not `out`."""
 
 
 def anchored_rhs(
@@ -76,7 +82,7 @@ def anchored_rhs(
 
 
 def calibrated_wo(
-    lhs: torch.Tensor, rhs: torch.Tensor, w_o: torch.Tensor, eps: float = DEFAULT_EPS
+    lhs: torch.Tensor, rhs: torch.Tensor, w_o: torch.Tensor, eps: float | None = None
 ) -> tuple[torch.Tensor, float | None]:
     """Teacher-calibrated output projection with teacher-Gram anchoring (§8), and the `eps` used.
 
@@ -95,46 +101,14 @@ def calibrated_wo(
 
 def weighted_error(
     w: torch.Tensor,
-    approx: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    approx: Approximation,
     gram: torch.Tensor | None,
     balance: bool = False,
     weights: torch.Tensor | None = None,
 ) -> float:
-    """Relative activation-weighted error `sum_s a_s tr(dW_s^T C dW_s) / sum_s a_s tr(W_s^T C W_s)`.
-
-    `w` is one matrix `(in, out)` or a stack of slices `(S, in, out)`; the identity metric if
-    `gram` is None. `balance` weighs each slice by `a_s = 1 / tr(W_s^T C W_s)`, so every slice's
-    relative error counts the same (the objective of slice balancing, §4); otherwise `a_s = 1`.
-    `weights` multiply `a_s` (`metric.relative_error`).
-    `approx` is a tensor of `w`'s shape or, for one matrix, its factors `(A, B)`, multiplied out
-    `COLUMNS` columns at a time: no d x d float64 product beside `w` (134 MB at width 4096).
-    """
-    w = w if w.dim() == 3 else w[None]
-    if isinstance(approx, tuple):
-        left = approx[0].to(WORK_DTYPE)
-        right = approx[1]
-
-        def columns(cut: slice) -> torch.Tensor:
-            return (left @ right[:, cut].to(WORK_DTYPE))[None]
-    else:
-        whole = approx.reshape(w.shape)
-
-        def columns(cut: slice) -> torch.Tensor:
-            return whole[..., cut].to(WORK_DTYPE)
-
-    gram = None if gram is None else gram.to(WORK_DTYPE)
-    energy = torch.zeros(w.shape[0], dtype=WORK_DTYPE, device=w.device)
-    err = torch.zeros_like(energy)
-    for start in range(0, w.shape[2], COLUMNS):  # float64 temporaries of a few columns at a time
-        part = w[..., start : start + COLUMNS].to(WORK_DTYPE)
-        diff = part - columns(slice(start, start + COLUMNS))
-        if gram is None:
-            energy += part.pow(2).sum((1, 2))
-            err += diff.pow(2).sum((1, 2))
-        else:
-            energy += (part * (gram @ part)).sum((1, 2))
-            err += (diff * (gram @ diff)).sum((1, 2))
-    return relative_error(err, energy, balance, weights)
+    """Relative activation-weighted error of one approximation (`metric.ActivationError`, which a
+    caller measuring several approximations of the same weights keeps instead)."""
+    return ActivationError(w, gram, balance, weights)(approx)
 
 
 def eig_whitened_svd(w: torch.Tensor, gram: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,9 +131,7 @@ def guarded_whitened_svd(
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], Whitening]:
     """`whitened_svd` under the outcome guard of §3: the reference is the plain truncated SVD."""
 
-    def error(factors: tuple[torch.Tensor, torch.Tensor]) -> float:
-        return weighted_error(w, factors, gram)
-
+    error = ActivationError(w, gram)
     return guarded_fit(gram, lambda white: whitened_svd(w, white, rank), error,
                        lambda: error(truncated_svd(w, rank)))
 
@@ -170,6 +142,7 @@ __all__ = [
     "calibrated_wo",
     "eig_whitened_svd",
     "guarded_whitened_svd",
+    "rank_within",
     "scaled_svd",
     "truncated_svd",
     "weighted_error",

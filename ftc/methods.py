@@ -25,16 +25,25 @@ from .arch import AttentionLayout
 from .cp import EXTRAPOLATION_POWER, MAX_SWEEPS, PROXIMAL, TOLERANCE, compress_cp
 from .lowrank import (
     ASVD_ALPHA,
-    FACTOR_DTYPE,
     anchored_rhs,
     budget_rank,
     calibrated_wo,
     eig_whitened_svd,
     guarded_whitened_svd,
+    rank_within,
     scaled_svd,
     truncated_svd,
 )
-from .metric import DEFAULT_EPS, GUARD_TOLERANCE, MAX_EPS, WORK_DTYPE, Moments, Whitening, guarded_fit
+from .metric import (
+    DEFAULT_EPS,
+    GUARD_TOLERANCE,
+    MAX_EPS,
+    WORK_DTYPE,
+    ActivationError,
+    Moments,
+    Whitening,
+    guarded_fit,
+)
 from .options import (
     ALLOCATION_METHODS,
     ALLOCATIONS,
@@ -45,7 +54,7 @@ from .options import (
     METHODS,
 )
 from .stored import cp_tensors, lowrank_tensors, tucker_tensors
-from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, SliceError, compress_tensor, head_concat, head_slices
+from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, compress_tensor, head_concat, head_slices
 
 Group = tuple[dict, dict[str, torch.Tensor]]
 
@@ -59,8 +68,8 @@ SmolLM2-135M-Instruct it takes perplexity from 45.89 to 43.00; 32 and 256 measur
 a few percent of the Gram the sink is kept as well as the rank allows. 1 under `no_sink`.
 """
 
-KEY_WEIGHT = "query heads per key head"
-"""The weight of each key slice in FTC's Q/K/V objective (§4), recorded in the manifest.
+KEY_WEIGHT = 1.0
+"""The weight of each key slice in FTC's Q/K/V objective (§4) is `(Hq / Hkv) ** KEY_WEIGHT`.
 
 A key head's error moves the scores of every query head of its group; a query or value head's
 moves one head's scores or output, and the calibrated `W_O` (§8) can absorb part of a value
@@ -117,6 +126,8 @@ class Method:
     needs_student_context = False
     needs_abs_mean = False  # per-channel mean |x| is gathered only for the methods that read it
     first_weight = 1  # times the first position of each sequence counts in the Q/K/V Gram (`SINK_WEIGHT`)
+    per_matrix_qkv: ClassVar[bool] = True
+    """Whether Q, K and V are compressed one matrix at a time, each with its own budget (§11)."""
     layer_sensitivity: ClassVar[bool] = False
     """Whether `--allocation sensitivity` plans this method from its own layer list (§15)."""
 
@@ -171,11 +182,21 @@ class Method:
             return int(self.layer_budget[part])
         return int(self.keep_ratio * full)
 
+    def budget_values(self, layout: AttentionLayout) -> dict[str, int]:
+        """Stored values this layer may spend on its Q/K/V and on `W_O` (§1), as the plan gave them:
+        the manifest's budgets are these, summed over layers. A method that compresses Q, K and V
+        one matrix at a time (`per_matrix_qkv`) has one budget per matrix; their sum is shown."""
+        if self.per_matrix_qkv:
+            sizes = layout.hidden * layout.head_dim
+            qkv = sum(self.values(p, sizes * heads) for p, heads in
+                      (("q", layout.heads), ("k", layout.kv_heads), ("v", layout.kv_heads)))
+        else:
+            qkv = self.values("qkv", layout.qkv_params)
+        return {"qkv": qkv, "o": self.values("o", layout.o_params)}
+
     def rank(self, part: str, rows: int, cols: int) -> int:
         """Rank of a two-factor `rows x cols` matrix within this layer's budget for `part`."""
-        if self.layer_budget is not None and part in self.layer_budget:
-            return max(1, int(self.layer_budget[part]) // (rows + cols))
-        return budget_rank(rows, cols, self.keep_ratio)
+        return rank_within(self.values(part, rows * cols), rows, cols)
 
     def _lowrank(self, proj: str, a: torch.Tensor, b: torch.Tensor) -> Group:
         return {"kind": "lowrank", "proj": [proj], "rank": a.shape[1]}, lowrank_tensors(
@@ -336,6 +357,7 @@ class FTC(Method):
     """The full method: joint head-concat Tucker for Q/K/V (§2-§7), calibrated W_O (§8)."""
 
     needs_student_context = True  # W_O's target and, even under `no_wo_target`, its own metric use A_s
+    per_matrix_qkv = False
     layer_sensitivity = True
 
     @property
@@ -357,10 +379,10 @@ class FTC(Method):
         return 1 if "no_sink" in self.ablations else SINK_WEIGHT
 
     @property
-    def key_weight(self) -> str | int:
-        """`KEY_WEIGHT` (§4), or 1 under `no_key_weight`: what the manifest records and what
-        `slice_weights` applies."""
-        return 1 if "no_key_weight" in self.ablations else KEY_WEIGHT
+    def key_weight(self) -> float:
+        """The exponent of the key slices' weight `(Hq / Hkv) ** p` (§4): `KEY_WEIGHT`, or 0 under
+        `no_key_weight`; what the manifest records and what `slice_weights` applies."""
+        return 0.0 if "no_key_weight" in self.ablations else KEY_WEIGHT
 
     def choices(self) -> dict:
         grid = f"{GRID_POINTS} x {GRID_POINTS // 2} coarse, step-halving refinement"
@@ -379,44 +401,57 @@ class FTC(Method):
                                       "loss": "KL divergence from the original model per token"}}
 
     def slice_weights(self, layout: AttentionLayout, repeat: int) -> torch.Tensor | None:
-        """The weight of every slice of the head-concat tensor (`KEY_WEIGHT`): `Hq / Hkv` for a key
-        slice, 1 for the others; None where all are 1 (MHA, `kv_repeat`'s repeated copies, which
+        """The weight of every slice of the head-concat tensor (`KEY_WEIGHT`): `(Hq / Hkv) ** p` for a
+        key slice, 1 for the others; None where all are 1 (MHA, `kv_repeat`'s repeated copies, which
         weigh both keys and values by repetition, and `no_key_weight`)."""
         group = layout.heads // layout.kv_heads
-        if group == 1 or repeat > 1 or self.key_weight == 1:
+        if group == 1 or repeat > 1 or self.key_weight == 0:
             return None
         weights = torch.ones(layout.heads + 2 * layout.kv_heads, dtype=WORK_DTYPE)
-        weights[layout.heads : layout.heads + layout.kv_heads] = group
+        weights[layout.heads : layout.heads + layout.kv_heads] = group**self.key_weight
         return weights
 
-    def _tucker(self, tensor: torch.Tensor, x: Moments, proj: list[str], heads: list[int], budget: int,
-                weights: torch.Tensor | None = None):
+    def _tucker_fit(self, tensor: torch.Tensor, x: Moments, budget: int, weights: torch.Tensor | None = None,
+                    steps: int | None = None, refits: int | None = None):
+        """`compress_tensor` under the outcome guard of §3: `((factors, report), whitening, error)`, the
+        error being the objective of §3-§4 (slice balancing and weights) in the undamped activation
+        metric, the one the guard compares. The reference is the unwhitened allocation (HOSVD +
+        top-K core, no pruning schedule)."""
         gram = None if "no_whiten" in self.ablations else x.gram
         balance, coupled = "no_slice_norm" not in self.ablations, "fixed_ranks" not in self.ablations
+        steps, refits = PRUNE_STEPS if steps is None else steps, REFITS if refits is None else refits
 
-        def fit(whitening: Whitening, steps: int = PRUNE_STEPS, refits: int = REFITS):
+        def fit(whitening: Whitening, steps: int = steps, refits: int = refits):
             return compress_tensor(tensor, whitening, budget, balance=balance, coupled=coupled, steps=steps,
                                    refits=refits, weights=weights)
 
-        measure = SliceError(tensor, gram, balance, weights)
+        measure = ActivationError(tensor, gram, balance, weights)
 
         def error(result) -> float:
-            return measure(result[0])
+            return measure(result[0].weights)
 
-        # the guard's reference: the unwhitened allocation (HOSVD + top-K core, no pruning schedule)
-        (factors, report), _ = guarded_fit(gram, fit, error, lambda: error(fit(Whitening(None, None), 1, 0)))
+        result, whitening = guarded_fit(gram, fit, error, lambda: error(fit(Whitening(None, None), 1, 0)))
+        return result, whitening, error(result)
+
+    def _tucker(self, tensor: torch.Tensor, x: Moments, proj: list[str], heads: list[int], budget: int,
+                weights: torch.Tensor | None = None):
+        (factors, report), _, measured = self._tucker_fit(tensor, x, budget, weights)
         spec = {"kind": "tucker", "proj": proj, "heads": heads, "shape": list(factors.core.shape)}
         if factors.mask is not None:
             spec["kept"] = int(factors.mask.sum())
-        return (spec, tucker_tensors(factors, self.storage_dtype)), report
+        return (spec, tucker_tensors(factors, self.storage_dtype)), report, measured
+
+    def qkv_tensor(self, weights: dict[str, torch.Tensor], layout: AttentionLayout) -> tuple[torch.Tensor, int]:
+        """The head-concat tensor of §2 and how often each key/value head appears in it (`kv_repeat`)."""
+        repeat = layout.heads // layout.kv_heads if "kv_repeat" in self.ablations else 1
+        return head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim, repeat), repeat
 
     def qkv(self, weights, x, layout):
-        repeat = layout.heads // layout.kv_heads if "kv_repeat" in self.ablations else 1
-        tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim, repeat)
+        tensor, repeat = self.qkv_tensor(weights, layout)
         budget = self.values("qkv", layout.qkv_params)
         heads = [layout.heads, layout.kv_heads, layout.kv_heads]
-        (spec, tensors), report = self._tucker(tensor, x, ["q", "k", "v"], heads, budget,
-                                               self.slice_weights(layout, repeat))
+        (spec, tensors), report, measured = self._tucker(tensor, x, ["q", "k", "v"], heads, budget,
+                                                         self.slice_weights(layout, repeat))
         spec["kv_repeat"] = repeat
         return [(spec, tensors)], {
             "r1": report.r1,
@@ -425,6 +460,7 @@ class FTC(Method):
             "eps": report.eps,
             "error_allocated": report.error_allocated,
             "error_refit": report.error_refit,
+            "error_activation": measured,
             "qkv_budget": budget,
         }
 
@@ -459,9 +495,6 @@ class FTC(Method):
             del teacher, student
             target, eps_solve = calibrated_wo(lhs, rhs, w_o)
             del lhs, rhs, w_o  # the pipeline hands W_O over: its float32 copy (64 MB at 4096) goes here
-            # float32 from here: the truncation runs in float32 anyway (`truncated_svd`), and the
-            # target sits beside the metric, a factor and the SVD's workspace
-            target = target.to(FACTOR_DTYPE)
         (a, b), whitening = guarded_whitened_svd(target, None if "no_whiten" in self.ablations else metric, rank)
         return self._lowrank("o", a, b), {"r_o": rank, "eps_o": whitening.eps, "eps_o_solve": eps_solve,
                                           "anchor": anchor}
@@ -480,15 +513,17 @@ class FTC(Method):
         Both errors are relative to their own part; `effect` (attention branch energy over residual
         energy) turns them into a share of the layer's output, comparable across layers.
         """
-        repeat = layout.heads // layout.kv_heads if "kv_repeat" in self.ablations else 1
-        tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim, repeat)
-        plain = "no_whiten" in self.ablations
+        tensor, repeat = self.qkv_tensor(weights, layout)
+        slice_weights = self.slice_weights(layout, repeat)
         costs = sorted({int(r * layout.qkv_params) for r in candidate_ratios(self.keep_ratio)})
-        errors = tucker_curve(tensor, Whitening.from_gram(None if plain else x.gram), costs,
-                              balance="no_slice_norm" not in self.ablations,
-                              weights=self.slice_weights(layout, repeat))
+        # each curve in the metric the guard of §3 accepts at the uniform budget, as compression would
+        _, qkv_white, _ = self._tucker_fit(tensor, x, int(self.keep_ratio * layout.qkv_params), slice_weights, 1, 0)
+        errors = tucker_curve(tensor, qkv_white, costs, balance="no_slice_norm" not in self.ablations,
+                              weights=slice_weights)
         w_o = weights["o"].to(WORK_DTYPE)
-        spectrum = torch.linalg.svdvals(Whitening.from_gram(None if plain else ctx.teacher.gram).apply(w_o))
+        o_gram = None if "no_whiten" in self.ablations else ctx.teacher.gram
+        _, o_white = guarded_whitened_svd(w_o, o_gram, budget_rank(*w_o.shape, self.keep_ratio))
+        spectrum = torch.linalg.svdvals(o_white.apply(w_o))
         branch = float((w_o * (ctx.teacher.gram @ w_o)).sum())
         return {"qkv_costs": costs, "qkv_errors": errors, "o_spectrum": spectrum.tolist(),
                 "effect": branch / max(residual, 1e-30)}
@@ -511,12 +546,14 @@ class FTC(Method):
 class PerMatrix(FTC):
     """Matched per-matrix control: FTC's metric and W_O, but Q, K and V each compressed alone."""
 
+    per_matrix_qkv = True
+
     def qkv(self, weights, x, layout):
         groups, reports = [], {}
         for proj, heads in (("q", layout.heads), ("k", layout.kv_heads), ("v", layout.kv_heads)):
             tensor = head_slices(weights[proj], layout.head_dim)
-            budget = int(self.keep_ratio * layout.hidden * layout.head_dim * heads)
-            group, report = self._tucker(tensor, x, [proj], [heads], budget)
+            budget = self.values(proj, layout.hidden * layout.head_dim * heads)
+            group, report, _ = self._tucker(tensor, x, [proj], [heads], budget)
             groups.append(group)
             reports[proj] = {
                 "r1": report.r1,
@@ -544,10 +581,19 @@ class CP(FTC):
                 **self.search_choices()}
 
     def qkv(self, weights, x, layout):
-        tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim)
+        tensor, _ = self.qkv_tensor(weights, layout)
         budget = self.values("qkv", layout.qkv_params)
-        factors, report = compress_cp(tensor, Whitening.from_gram(x.gram), budget,
-                                      weights=self.slice_weights(layout, 1))
+        slice_weights = self.slice_weights(layout, 1)
+        measure = ActivationError(tensor, x.gram, True, slice_weights)
+
+        def fit(whitening: Whitening, sweeps: int = MAX_SWEEPS):
+            return compress_cp(tensor, whitening, budget, weights=slice_weights, max_sweeps=sweeps)
+
+        def error(result) -> float:
+            return measure(result[0].weights)
+
+        # the outcome guard of §3, which CP shares (§14); the reference is the unwhitened HOSVD start
+        (factors, report), _ = guarded_fit(x.gram, fit, error, lambda: error(fit(Whitening(None, None), 0)))
         spec = {"kind": "cp", "proj": ["q", "k", "v"], "heads": [layout.heads, layout.kv_heads, layout.kv_heads],
                 "rank": report.rank}
         return [(spec, cp_tensors(factors, self.storage_dtype))], {

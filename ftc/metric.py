@@ -15,7 +15,10 @@ from typing import TypeVar
 import torch
 
 WORK_DTYPE = torch.float64
-"""Precision of every factorisation: Gram matrices of LLM activations are badly conditioned."""
+"""Precision of every factorisation and of every step that decides a rank or a support (HOSVD,
+top-K selection, refits, truncated SVDs, CP's ALS): LAPACK's results move with the thread count
+(float32 `eigh` by up to 0.25 in a vector entry on SmolLM2-shaped Grams, float64 by about 1e-13),
+and a discrete choice made on float32 values flips between builds (ftc-method.md §16)."""
 
 DEFAULT_EPS = 1e-4
 """Starting damping of the guard, relative to `mean(diag(C))` (§3)."""
@@ -33,13 +36,41 @@ CHUNK_ROWS = 2048
 accumulation error (~sqrt(rows) * 6e-8 relative) far below the guard's damping of 1e-4."""
 
 
+def pivot_signs(vectors: torch.Tensor) -> torch.Tensor:
+    """One sign per column: that of the column's largest-magnitude entry (ftc-method.md §16).
+
+    An eigen- or singular vector is defined up to its sign, and LAPACK's choice can change with the
+    thread count; multiplying each column by this makes that entry positive, so the stored factors,
+    not only their products, are the same on every build. A sign flip is exact: nothing else moves.
+    """
+    pivot = vectors.gather(0, vectors.abs().argmax(0, keepdim=True))[0]
+    return torch.where(pivot < 0, -1.0, 1.0).to(vectors.dtype)
+
+
+def row_chunks(x: torch.Tensor, dim: int) -> Iterator[torch.Tensor]:
+    """The rows of `x` in the pieces its float32 products are taken over: each sequence of a
+    `(sequences, positions, dim)` batch on its own (cut every `CHUNK_ROWS` positions), any other
+    shape every `CHUNK_ROWS` rows.
+
+    Pieces never straddle two sequences, so the same sequences give the same float32 products in
+    the same order whatever the batch size (2 or 4 sequences per forward): the float64 sums, and
+    every choice made from them, do not depend on how the calibration set was batched.
+    """
+    if x.dim() == 3:
+        for sequence in x:
+            yield from sequence.split(CHUNK_ROWS)
+    else:
+        yield from x.reshape(-1, dim).split(CHUNK_ROWS)
+
+
 def accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """`total += a^T b` over rows: float32 products per chunk of rows, summed into `total` (float64).
+    """`total += a^T b` over rows: float32 products per piece of `row_chunks`, summed into `total` (float64).
 
     A float32 GEMM is several times faster than a float64 one, and the rounding it adds is
     orders of magnitude below both the calibration noise and the damping of the metric.
     """
-    for a_rows, b_rows in zip(a.split(CHUNK_ROWS), b.split(CHUNK_ROWS), strict=True):
+    dim_a, dim_b = total.shape
+    for a_rows, b_rows in zip(row_chunks(a, dim_a), row_chunks(b, dim_b), strict=True):
         a_rows = a_rows.to(device=total.device, dtype=PRODUCT_DTYPE)
         b_rows = b_rows.to(device=total.device, dtype=PRODUCT_DTYPE)
         total += a_rows.T @ b_rows
@@ -60,10 +91,11 @@ def accumulate_gram(total: torch.Tensor, rows: torch.Tensor) -> None:
     """`total += rows^T rows` on the blocks on and above the diagonal only (`mirror_upper` fills
     the rest once the sum is complete): a Gram is symmetric, so the blocks below are redundant.
 
-    Float32 products per chunk of rows, summed into float64, as `accumulate_product`.
+    Float32 products per piece of `row_chunks` (`rows` may be a batch of sequences), summed into
+    float64, as `accumulate_product`.
     """
     blocks = _blocks(total.shape[0])
-    for chunk in rows.split(CHUNK_ROWS):
+    for chunk in row_chunks(rows, total.shape[0]):
         chunk = chunk.to(device=total.device, dtype=PRODUCT_DTYPE)
         for start, stop in blocks:
             total[start:stop, start:] += chunk[:, start:stop].T @ chunk[:, start:]
@@ -103,17 +135,28 @@ class Moments:
         self.abs_sum = torch.zeros(self.dim, dtype=WORK_DTYPE, device=self.device) if self.absolute else None
 
     def update(self, x: torch.Tensor) -> None:
+        """Add a batch: `(sequences, positions, dim)`, or rows `(..., dim)` without positions.
+
+        Sequence by sequence, each one's sink row right after it, so the float64 sums add the same
+        terms in the same order however the sequences were batched (ftc-method.md §16).
+        """
         if self.normalised:
             raise RuntimeError("Moments.update after .gram was read: the sum has been normalised in place")
-        self._add(x.reshape(-1, self.dim), 1)
-        if self.first_weight > 1 and x.dim() == 3:
-            self._add(x[:, 0], self.first_weight - 1)
+        for sequence in x if x.dim() == 3 else (x.reshape(-1, self.dim),):
+            accumulate_gram(self.gram_sum, sequence)
+            if self.abs_sum is not None:
+                self.abs_sum += sequence.abs().sum(0, dtype=WORK_DTYPE).to(self.abs_sum.device)
+            self.count += sequence.shape[0]
+            if self.first_weight > 1 and x.dim() == 3:
+                self._add_sink(sequence[:1], self.first_weight - 1)
 
-    def _add(self, rows: torch.Tensor, times: int) -> None:
-        """Count each of `rows` `times` times."""
-        accumulate_gram(self.gram_sum, rows if times == 1 else rows * math.sqrt(times))
+    def _add_sink(self, rows: torch.Tensor, times: int) -> None:
+        """Count each of `rows` (a sequence's first position) `times` more times, its product taken
+        in float64 (exact for float32 inputs)."""
+        wide = rows.to(device=self.gram_sum.device, dtype=WORK_DTYPE)
+        self.gram_sum.addmm_(wide.T, wide, alpha=times)  # the whole product: `mirror_upper` reads the upper half
         if self.abs_sum is not None:
-            self.abs_sum += rows.abs().sum(0, dtype=WORK_DTYPE).to(self.abs_sum.device) * times
+            self.abs_sum += wide.abs().sum(0) * times
         self.count += rows.shape[0] * times
 
     @property
@@ -148,6 +191,66 @@ def relative_error(err: torch.Tensor, energy: torch.Tensor, balance: bool, weigh
     return float((share * err).sum() / (share * energy).sum())
 
 
+ERROR_SLICES = 8
+"""Slices of a stack measured at a time by `ActivationError`."""
+ERROR_COLUMNS = 512
+"""Columns measured at a time by `ActivationError`: with `ERROR_SLICES`, its float64 temporaries are
+this small, never the whole tensor (five copies of it in the one-shot form: 1 GB at width 4096)."""
+
+Approximation = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Callable[[slice, slice], torch.Tensor]
+
+
+class ActivationError:
+    """Relative activation-weighted error of approximations of one matrix or stack of slices:
+    `sum_s a_s tr(dW_s^T C dW_s) / sum_s a_s tr(W_s^T C W_s)` (§3, §4; `relative_error` gives `a_s`).
+
+    `w` is one matrix `(in, out)` or a stack `(S, in, out)`; `C` is `gram`, or the identity if None.
+    An approximation is a tensor of `w`'s shape, the factors `(A, B)` of one matrix, or a function
+    returning the approximated block `[slices, :, columns]` (a factorisation reconstructed a block at
+    a time). Everything is measured a block of `ERROR_SLICES` x `ERROR_COLUMNS` at a time, and the
+    slice energies `tr(W_s^T C W_s)` once, at the first call: a guard measures several fits of the
+    same weights.
+    """
+
+    def __init__(self, w: torch.Tensor, gram: torch.Tensor | None, balance: bool = False,
+                 weights: torch.Tensor | None = None) -> None:
+        self.w = w if w.dim() == 3 else w[None]
+        self.gram = None if gram is None else gram.to(WORK_DTYPE)
+        self.balance, self.weights = balance, weights
+        self.energy: torch.Tensor | None = None
+
+    def _metric(self, block: torch.Tensor) -> torch.Tensor:
+        """`tr(B_s^T C B_s)` of every slice of a block."""
+        if self.gram is None:
+            return block.pow(2).sum((1, 2))
+        return (block * torch.matmul(self.gram, block)).sum((1, 2))
+
+    def _supplier(self, approx: Approximation) -> Callable[[slice, slice], torch.Tensor]:
+        if callable(approx):
+            return approx
+        if isinstance(approx, tuple):
+            left, right = approx[0].to(WORK_DTYPE), approx[1]
+            return lambda slices, columns: (left @ right[:, columns].to(WORK_DTYPE))[None]
+        whole = approx.reshape(self.w.shape)
+        return lambda slices, columns: whole[slices, :, columns]
+
+    def __call__(self, approx: Approximation) -> float:
+        supply = self._supplier(approx)
+        slices, _, width = self.w.shape
+        err = torch.zeros(slices, dtype=WORK_DTYPE, device=self.w.device)
+        energy = torch.zeros_like(err) if self.energy is None else self.energy
+        for start in range(0, slices, ERROR_SLICES):
+            rows = slice(start, start + ERROR_SLICES)
+            for first in range(0, width, ERROR_COLUMNS):
+                columns = slice(first, first + ERROR_COLUMNS)
+                part = self.w[rows, :, columns].to(WORK_DTYPE)
+                if self.energy is None:
+                    energy[rows] += self._metric(part)
+                err[rows] += self._metric(part - supply(rows, columns).to(WORK_DTYPE))
+        self.energy = energy
+        return relative_error(err, energy, self.balance, self.weights)
+
+
 def damp(gram: torch.Tensor, eps: float) -> torch.Tensor:
     """`C + eps * mean(diag(C)) * I` (§3). A zero Gram is damped by `eps` alone."""
     scale = gram.diagonal().mean().clamp_min(torch.finfo(WORK_DTYPE).tiny)
@@ -157,13 +260,16 @@ def damp(gram: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def damped_factors(
-    gram: torch.Tensor, eps: float = DEFAULT_EPS, max_eps: float = MAX_EPS
+    gram: torch.Tensor, eps: float | None = None, max_eps: float | None = None
 ) -> Iterator[tuple[torch.Tensor, float]]:
     """`(R, eps)` with `damp(C, eps) = R R^T` for `eps`, `10 eps`, ... up to `max_eps` (§3).
 
     Damping levels whose factorisation fails or is not finite are skipped; the consumer stops
-    at the first level whose *outcome* it accepts (`guarded_cholesky`, `guarded_fit`).
+    at the first level whose *outcome* it accepts (`guarded_cholesky`, `guarded_fit`). `eps` and
+    `max_eps` default to `DEFAULT_EPS` and `MAX_EPS` as they are when called.
     """
+    eps = DEFAULT_EPS if eps is None else eps
+    max_eps = MAX_EPS if max_eps is None else max_eps
     gram = gram.to(WORK_DTYPE)
     info = torch.empty((), dtype=torch.int32, device=gram.device)
     while eps <= max_eps * (1 + 1e-9):
@@ -176,7 +282,7 @@ def damped_factors(
 
 
 def guarded_cholesky(
-    gram: torch.Tensor, eps: float = DEFAULT_EPS, max_eps: float = MAX_EPS
+    gram: torch.Tensor, eps: float | None = None, max_eps: float | None = None
 ) -> tuple[torch.Tensor | None, float | None]:
     """The least-damped finite Cholesky factor, `(R, eps_used)`, or `(None, None)` if none is."""
     return next(damped_factors(gram, eps, max_eps), (None, None))
@@ -190,8 +296,8 @@ def guarded_fit(
     fit: Callable[[Whitening], T],
     error: Callable[[T], float],
     reference: Callable[[], float],
-    eps: float = DEFAULT_EPS,
-    max_eps: float = MAX_EPS,
+    eps: float | None = None,
+    max_eps: float | None = None,
 ) -> tuple[T, Whitening]:
     """Fit in the whitened metric, raising `eps` tenfold while the outcome is unstable (§3).
 
@@ -226,7 +332,7 @@ class Whitening:
     eps: float | None
 
     @classmethod
-    def from_gram(cls, gram: torch.Tensor | None, eps: float = DEFAULT_EPS) -> Whitening:
+    def from_gram(cls, gram: torch.Tensor | None, eps: float | None = None) -> Whitening:
         if gram is None:
             return cls(None, None)
         chol, used = guarded_cholesky(gram, eps)

@@ -59,8 +59,23 @@ DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 """Storage dtypes of the compressed factors (the unit of the budget); each is the name of the
 `torch` dtype it stands for, so `ftc.compress.storage_dtype` maps it without a second table."""
 MODEL_ALIASES: tuple[str, ...] = ("smollm2-135m",)
-DATASETS: tuple[str, ...] = ("wikitext2", "ptb")
-"""Built-in dataset names; a path to a .txt or .jsonl file is accepted too."""
+DATASETS: tuple[str, ...] = ("wikitext2", "wikitext2-tune", "wikitext2-tokenized", "ptb")
+"""Built-in dataset names; a path to a .txt or .jsonl file is accepted too. `wikitext2-tune` (the
+validation articles kept out of calibration) is for evaluation only, `wikitext2-tokenized` (the
+`<unk>` variant of the calibration articles) for calibration only (`ftc.data.load_text`)."""
+EVALUATION_ONLY: tuple[str, ...] = ("wikitext2-tune",)
+CALIBRATION_ONLY: tuple[str, ...] = ("wikitext2-tokenized",)
+
+
+def dataset_split_problem(dataset: str, split: str) -> str | None:
+    """Why built-in `dataset` has nothing for `split` ("test": evaluation, "validation":
+    calibration), else None; checked where requests enter and where text is read."""
+    if split == "validation" and dataset in EVALUATION_ONLY:
+        return (f"{dataset} holds the validation articles kept out of calibration, for evaluation only; "
+                f"calibrate on wikitext2")
+    if split == "test" and dataset in CALIBRATION_ONLY:
+        return f"{dataset} is a calibration set only; evaluate on wikitext2 or wikitext2-tune"
+    return None
 
 
 ASVD_RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)

@@ -247,7 +247,7 @@ def context_stats(
             with swapped(layer, layout, compressed_qkv):
                 a_s = capture_input(layer, layout.o, h, kw)
             stats.student.update(a_s)
-            accumulate_product(stats.cross, a_s.reshape(-1, width), a_t.reshape(-1, width))
+            accumulate_product(stats.cross, a_s, a_t)
         if kept is not None:
             kept.append(stream.keep(a_t if keep == "teacher" else a_s))
         del a_s, a_t
@@ -331,7 +331,8 @@ def compress_layer(
     if stream is not None and method.stream == "student":
         propagate(layer, stream, layout, contexts)
     phases.lap("propagate")
-    return [*qkv_groups, o_group], {**qkv_report, **o_report, "phase_seconds": phases.seconds()}
+    return [*qkv_groups, o_group], {**qkv_report, **o_report, "budget_values": method.budget_values(layout),
+                                    "phase_seconds": phases.seconds()}
 
 
 class _PhaseClock:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metric import WORK_DTYPE, Whitening, relative_error
+from .metric import WORK_DTYPE, Whitening, pivot_signs
 
 MASK_UNIT_BITS = 16
 """The support mask is counted in units of one 16-bit stored value (§1)."""
@@ -24,6 +24,12 @@ PRUNE_STEPS = 8
 """Steps of the geometric schedule from the dense core down to `K` entries (§7)."""
 REFITS = 2
 """Alternating factor/core refits after each pruning step (§7)."""
+TIE_TOLERANCE = 1e-9
+"""Relative difference below which two candidates are a tie (§16): core magnitudes in the top-K
+selection, predicted errors in the allocation, the gradual and one-shot results of §7. A tie goes
+to the lower index or the earlier candidate. Float64 results move by about 1e-13 relative between
+thread counts, so no choice then depends on the build; differences this small change no error that
+matters."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,10 +159,13 @@ def leading_eigenvectors(gram: torch.Tensor, count: int) -> torch.Tensor:
     """The `count` eigenvectors of a symmetric PSD Gram with the largest eigenvalues, largest first.
 
     These are the left singular vectors of the matrix the Gram was formed from: the HOSVD needs
-    no right singular vectors, which for the mode-2 unfolding would be `(dh, S d)`.
+    no right singular vectors, which for the mode-2 unfolding would be `(dh, S d)`. Solved in
+    float64 with canonical signs (§16): eigenvalues near a rank cut lie 1e-6 of the largest apart,
+    where float32 resolves about 1e-7 and its vectors move with the thread count.
     """
-    vectors = torch.linalg.eigh(gram)[1]
-    return vectors[:, vectors.shape[1] - count :].flip(1)  # copies only the columns kept
+    vectors = torch.linalg.eigh(gram.to(WORK_DTYPE))[1]
+    vectors = vectors[:, vectors.shape[1] - count :].flip(1)  # copies only the columns kept
+    return vectors * pivot_signs(vectors)
 
 
 def hosvd_ranks(tensor: torch.Tensor) -> tuple[int, int]:
@@ -198,14 +207,34 @@ class Allocation:
     """Absolute squared error of HOSVD factors at `(r1, r2)` with the top-`kept` core (§6)."""
 
 
+def tie_key(values: torch.Tensor) -> torch.Tensor:
+    """`values` rounded to steps of `TIE_TOLERANCE` times their largest magnitude (float64), so
+    values closer than that compare equal and a stable sort orders them by index (§16)."""
+    wide = values.to(WORK_DTYPE)
+    scale = wide.abs().max().clamp_min(torch.finfo(WORK_DTYPE).tiny) * TIE_TOLERANCE
+    return torch.round(wide / scale)
+
+
 def top_k_mask(core: torch.Tensor, kept: int) -> torch.Tensor:
-    """Support of the `kept` largest-magnitude entries: the optimal `kept`-sparse core (§6, E.2)."""
-    flat = core.abs().flatten()
+    """Support of the `kept` largest-magnitude entries: the optimal `kept`-sparse core (§6, E.2).
+
+    Magnitudes within `TIE_TOLERANCE` of each other are ties, resolved toward the lower index (§16):
+    near-ties are common (0.00180428 against 0.00180425 on SmolLM2), and a choice among them must
+    not depend on rounding that moves with the thread count.
+    """
+    flat = core.flatten()
     if kept >= flat.numel():
         return torch.ones_like(core, dtype=torch.bool)
     mask = torch.zeros_like(flat, dtype=torch.bool)
-    mask[torch.topk(flat, kept, sorted=False).indices] = True
+    order = torch.sort(tie_key(flat.abs()), descending=True, stable=True).indices
+    mask[order[:kept]] = True
     return mask.view_as(core)
+
+
+def clearly_below(value: float, other: float) -> bool:
+    """`value < other` by more than `TIE_TOLERANCE` of the larger magnitude: a choice between two
+    candidates that are equal up to rounding keeps the earlier one (§16)."""
+    return value < other - TIE_TOLERANCE * max(abs(value), abs(other))
 
 
 class _EnergyTable:
@@ -282,7 +311,7 @@ def allocate(
             table = None  # free the previous table before its successor is built
             table = _EnergyTable(core, r2)
         err = total_energy - table.energy(r1, kept)
-        if best is None or err < best.predicted_error:
+        if best is None or clearly_below(err, best.predicted_error):
             best = Allocation(r1, r2, kept, err)
 
     rows, cols = _grid(m1, grid_points), _grid(m2, grid_points // 2)
@@ -335,8 +364,8 @@ def polar(m: torch.Tensor) -> torch.Tensor:
     wide = m.to(WORK_DTYPE)
     values, vectors = torch.linalg.eigh(wide.T @ wide)
     if values[0] <= POLAR_MIN_EIGENVALUE * values[-1].clamp_min(torch.finfo(WORK_DTYPE).tiny):
-        p, _, qh = torch.linalg.svd(m, full_matrices=False)
-        return p @ qh
+        p, _, qh = torch.linalg.svd(wide, full_matrices=False)
+        return (p @ qh).to(m.dtype)
     return (wide @ ((vectors * values.rsqrt()) @ vectors.T)).to(m.dtype)
 
 
@@ -391,7 +420,7 @@ def prune_refit(
     # the one-shot candidate only has to bound the result by the allocator's prediction: a single
     # refit pass already does (it never increases the error), the rest would rarely change the pick
     o1, o2, ocore = refit(tensor, u1, u2, oneshot_mask, min(refits, 1))
-    if tucker_error(tensor, o1, ocore, o2) < tucker_error(tensor, g1, core, g2):
+    if clearly_below(tucker_error(tensor, o1, ocore, o2), tucker_error(tensor, g1, core, g2)):
         return o1, o2, ocore, oneshot_mask
     return g1, g2, core, mask
 
@@ -415,43 +444,10 @@ class TuckerFactors:
         kept = r1 * r2 * slices if self.mask is None else int(self.mask.sum())
         return storage_values(d, dh, slices, r1, r2, kept)
 
-    def weights(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The reconstructed `(S, d, dh)` tensor, or its slices `start:stop`."""
+    def weights(self, slices: slice = slice(None), columns: slice = slice(None)) -> torch.Tensor:
+        """The reconstructed `(S, d, dh)` tensor, or its block `[slices, :, columns]`."""
         dtype = self.u1.dtype
-        return reconstruct(self.u1, self.core[start:stop].to(dtype), self.u2.to(dtype))
-
-
-class SliceError:
-    """`lowrank.weighted_error(tensor, factors.weights(), gram, balance, weights)`, a few slices at a time.
-
-    The one-shot form holds five float64 copies of the whole tensor (the tensor, the
-    reconstruction, the difference and two products with the Gram: 1 GB at width 4096); this one
-    holds those of `GRAM_SLICES` slices. The guard measures several fits against the same tensor,
-    so the slice energies `tr(W_s^T C W_s)` are computed once, on the first call.
-    """
-
-    def __init__(self, tensor: torch.Tensor, gram: torch.Tensor | None, balance: bool,
-                 weights: torch.Tensor | None = None) -> None:
-        self.tensor, self.balance, self.weights = tensor, balance, weights
-        self.gram = None if gram is None else gram.to(WORK_DTYPE)
-        self.energy: torch.Tensor | None = None
-
-    def _metric(self, w: torch.Tensor) -> torch.Tensor:
-        """`tr(W_s^T C W_s)` per slice (`C = I` without a Gram)."""
-        return w.pow(2).sum((1, 2)) if self.gram is None else (w * (self.gram @ w)).sum((1, 2))
-
-    def __call__(self, factors: TuckerFactors) -> float:
-        slices = self.tensor.shape[0]
-        err = torch.empty(slices, dtype=WORK_DTYPE, device=self.tensor.device)
-        energy = torch.empty_like(err) if self.energy is None else self.energy
-        for start in range(0, slices, GRAM_SLICES):
-            stop = start + GRAM_SLICES
-            w = self.tensor[start:stop].to(WORK_DTYPE)
-            if self.energy is None:
-                energy[start:stop] = self._metric(w)
-            err[start:stop] = self._metric(w - factors.weights(start, stop).to(WORK_DTYPE))
-        self.energy = energy
-        return relative_error(err, energy, self.balance, self.weights)
+        return reconstruct(self.u1, self.core[slices].to(dtype), self.u2[columns].to(dtype))
 
 
 @dataclass(frozen=True)
@@ -469,17 +465,16 @@ class TuckerReport:
 def whiten_and_balance(
     tensor: torch.Tensor, whitening: Whitening, balance: bool, weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sqrt(w_s) R^T B_s / ||R^T B_s||_F` in float32 and the float64 divisor of every slice (§3-§4).
+    """`sqrt(w_s) R^T B_s / ||R^T B_s||_F` and the divisor of every slice (§3-§4), in float64.
 
     `weights` (one per slice, 1 if None) multiply each slice's share of the objective: a slice
     weighted `w` counts as `w` copies of itself (FTC's key slices, §4). The divisor is the slice's
     norm (1 without balancing) over `sqrt(w_s)`; multiplying a slice's core by it undoes both.
-    Whitening runs in float64 a few slices at a time, each chunk scaled and rounded to float32
-    before the next is made, so the only full-size copy is the float32 result: the factor updates
-    need no more (errors of interest are ~1e-3 relative), the badly conditioned metric does.
+    Whitening runs a few slices at a time, so the only full-size copy is the result. Float64 because
+    the factorisations that follow choose ranks and supports among near-ties (§16).
     """
     slices = tensor.shape[0]
-    balanced = torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device)
+    balanced = torch.empty(tensor.shape, dtype=WORK_DTYPE, device=tensor.device)
     norms = (torch.ones(slices, dtype=WORK_DTYPE, device=tensor.device) if weights is None
              else weights.to(dtype=WORK_DTYPE, device=tensor.device).rsqrt())
     for start in range(0, slices, GRAM_SLICES):
@@ -527,7 +522,7 @@ def compress_tensor(
     factors = TuckerFactors(
         u1=whitening.unapply(u1.to(WORK_DTYPE)),
         u2=u2,
-        core=core * norms[:, None, None].float(),
+        core=core * norms[:, None, None],
         mask=None if dense else mask,
     )
     report = TuckerReport(

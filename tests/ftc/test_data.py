@@ -7,13 +7,32 @@ import json
 import pytest
 import torch
 
-from ftc.data import DatasetError, calibration_ids, ids_sha256, load_text, text_chunks, tokenize
+from ftc.data import PACKAGE_DATA, DatasetError, calibration_ids, ids_sha256, load_text, text_chunks, tokenize
 
 
 def test_wikitext_rows_follow_the_hugging_face_layout():
     text = load_text("wikitext2", "test")
     assert text.startswith("\n\n = Robert Boulter = \n\n")  # first row empty, rows joined by blank lines
-    assert "<unk>" not in text and "<unk>" in load_text("wikitext2", "validation")
+    assert "<unk>" not in text
+
+
+def test_calibration_reads_raw_text_and_the_tuning_split_the_articles_it_leaves_out():
+    calib, tune = load_text("wikitext2", "validation"), load_text("wikitext2-tune", "test")
+    tokenized = load_text("wikitext2-tokenized", "validation")
+    assert "<unk>" not in calib  # the format of the test file
+    assert "<unk>" in tokenized  # the variant calibration used to read
+    assert tune.startswith(" = Military history of Australia = ")
+    # the two parts are the whole raw validation file, split once at an article's first line
+    raw = (PACKAGE_DATA / "wiki.valid.raw").read_text(encoding="utf-8").splitlines()
+    assert len(calib.split("\n\n")) + len(tune.split("\n\n")) == len(raw)
+    assert calib.count("\n = ") + tune.count("\n = ") + 1 == sum(line.startswith(" = ") for line in raw)
+    assert 0.25 < len(tune) / (len(calib) + len(tune)) < 0.35
+    # the same articles in both variants
+    assert tokenized.count("\n\n") == calib.count("\n\n")
+    with pytest.raises(DatasetError, match="calibrate on wikitext2"):
+        load_text("wikitext2-tune", "validation")
+    with pytest.raises(DatasetError, match="calibration set only"):
+        load_text("wikitext2-tokenized", "test")
 
 
 @pytest.mark.parametrize("split", ["test", "validation"])

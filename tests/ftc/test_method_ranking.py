@@ -72,4 +72,4 @@ def test_ftc_counts_each_key_slice_once_per_query_head_it_serves():
         assert make_method("ftc", 0.4, torch.float16, ("no_key_weight",)).slice_weights(layout, 1) is None
     assert ftc.slice_weights(layout_of(tiny_config("mha")), 1) is None
     assert ftc.choices()["key_weight"] == KEY_WEIGHT
-    assert make_method("ftc", 0.4, torch.float16, ("no_key_weight",)).choices()["key_weight"] == 1
+    assert make_method("ftc", 0.4, torch.float16, ("no_key_weight",)).choices()["key_weight"] == 0

@@ -164,6 +164,6 @@ def test_a_work_dir_is_not_resumed_by_a_method_with_other_fixed_choices(tiny_fol
     work = tmp_path / "work"
     compress(CompressOptions(**fields), tmp_path / "a", work_dir=work, progress=False)
     assert compress(CompressOptions(**fields), tmp_path / "b", work_dir=work, progress=False)["resumed_from_layer"] == 2
-    monkeypatch.setattr("ftc.methods.KEY_WEIGHT", "once per key head")
+    monkeypatch.setattr("ftc.methods.KEY_WEIGHT", 2.0)
     with pytest.raises(InputError, match="different run"):
         compress(CompressOptions(**fields), tmp_path / "c", work_dir=work, progress=False)
