@@ -185,6 +185,9 @@ def run(args: argparse.Namespace) -> dict:
         "FTC_STORE_URL": str(workdir / "store"),
         "FTC_API_KEYS": f"{API_KEY}:{TEAM}",
         "FTC_JANITOR_INTERVAL_SECONDS": "0",
+        # One team submits everything here: its queued-jobs and rate quotas would refuse most of it.
+        "FTC_QUOTA_QUEUED_JOBS": "0",
+        "FTC_QUOTA_SUBMISSIONS_PER_MINUTE": "0",
     }
     api = start_api(workdir / "api", env, workers=args.workers)
     try:
@@ -192,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
         runs = [_one_run(args, api.port, first_client=n * args.clients) for n in range(args.repeats)]
         with redis.Redis.from_url(redis_server.url, decode_responses=True) as client:
             in_redis = client.zcard(f"{prefix}:team:{TEAM}:jobs")
-            queued_entries = client.xlen(f"{prefix}:queue:normal")
+            queued_entries = client.xlen(f"{prefix}:queue:normal:team:{TEAM}")
     finally:
         api.stop()
         redis_server.stop()
