@@ -1,336 +1,788 @@
-"""Inference speed and size of FTC artifacts against the dense model they came from.
+"""Serving speed and memory of FTC artifacts against the dense model they came from.
 
-    .venv/bin/python benchmarks/inference.py                       # both models, CPU
-    .venv/bin/python benchmarks/inference.py --model smollm2 --device cuda
+    .venv/bin/python benchmarks/inference.py                 # the full measurement (hours: see --help's epilog)
+    .venv/bin/python benchmarks/inference.py --smoke         # under a minute: a small random model, plumbing only
 
-For each model, the dense model and the FTC artifacts at rho 0.8/0.6/0.4/0.2 (loaded with
-`load_artifact`, the classes transformers runs with `trust_remote_code=True`) are measured side by
-side: every repeat runs each variant once in turn, and the tables give medians, so load from
-other processes on a shared machine falls on all variants alike.
+What is measured, per model, dtype (float32, bfloat16) and thread count (one, and torch's default
+of the machine, "all"):
 
-- prefill: tokens/s of one forward over 4 x 512 tokens (no cache);
-- attention block: seconds spent inside the decoder layers' attention modules during that
-  prefill (timed by hooks around each `self_attn`), summed over layers;
-- decode: tokens/s of greedy generation with the KV cache, 128 new tokens after a 16-token
-  prompt, at batch 1 and 8;
-- bytes: attention and whole-model tensors held at run time (float32).
+- prefill: tokens/s of one forward over 4 x 512 tokens that fills the KV cache and computes the
+  logits of the last position (what a server does before the first token);
+- decode: tokens/s of greedy generation with the KV cache at batch 1 and 8, 128 new tokens after
+  a 16-token prompt, timed from the first new token to the last (the prompt's own prefill is
+  excluded);
+- peak RSS: the high-water resident memory (`VmHWM`) of a fresh process that imports torch and
+  transformers, loads the model and generates 128 tokens at batch 1; the interpreter's own
+  (after the imports, before loading) is recorded beside it.
 
-Models: SmolLM2-135M (`smollm2-135m`; artifacts compressed with 8 x 512 calibration tokens unless
-`--artifacts` points at existing ones), and a random-weight model of TinyLlama-1.1B's shape (hidden
-2048, 32 heads / 4 KV heads, MLP 5632, vocabulary 32000) whose FTC factors come from compressing
-one such random layer (4 x 512 calibration tokens) and are reused in every layer: speed depends on
-the shapes only. `--tiny-layers` sets its depth (22 is the real one; fewer keeps CPU runs short,
-and the lm_head then weighs more in the whole-model numbers). Writes
-benchmarks/results/inference.{json,md,png}; finished models are kept in the JSON and skipped on
-re-runs.
+Variants: the dense model; FTC with attention-only compression at rho 0.8/0.6/0.4/0.2; FTC with
+whole-model compression (`ftc.compress.compress(..., scope="model")`) at keep ratios 0.8/0.6/0.4
+(20/40/60% smaller), listed as not available while the installed `ftc.compress` has no `scope`.
+Artifacts load through `load_artifact` (the classes the transformers remote code runs) in their
+default `speed` runtime; the dense model is the same weights saved as a float16 safetensors
+folder, loaded with `AutoModelForCausalLM.from_pretrained`, so both read the same file format.
+
+Each measurement is its own process: every repeat runs each variant once, in an order rotated
+from repeat to repeat, so drift on the machine falls on all variants alike; tables give medians
+of the repeats (at least 5 for the record) and the JSON keeps every sample. Nothing else may run
+on the machine meanwhile: the load average before and after is recorded with the machine facts
+and the command.
+
+Models: SmolLM2-135M-Instruct (`smollm2-135m`: its GGUF dequantised; FTC artifacts compressed
+with 8 x 512 calibration tokens), and a model of TinyLlama-1.1B's shape (hidden 2048, 32 query /
+4 K/V heads, MLP 5632, vocabulary 32000, 22 layers) with random weights: its FTC factors come
+from compressing one random layer of that shape (4 x 512 calibration tokens) and stand in every
+layer of a full-depth artifact, since speed and memory depend on the shapes only.
+
+Per FTC variant the JSON and the tables also give the form every group runs in (ftc-method.md
+§9) and the values held at run time against the values stored, in the speed and memory runtimes,
+computed from the artifact's shapes by the loader's own rule.
+
+Writes benchmarks/results/inference.{json,md,png} (`--smoke`: a temporary folder). A block of
+measurements (model, dtype, threads) is saved as soon as it is complete and skipped when the
+command is run again with the same settings, so an interrupted run continues where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
+import os
 import platform
+import shlex
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from torch import nn
-
-from ftc.arch import AttentionLayout, decoder_layers, layout_of
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, compress
-from ftc.loading import load_model
-from ftc.models import resolve_model
-
 RESULTS = Path(__file__).parent / "results"
-RATIOS = (0.8, 0.6, 0.4, 0.2)
+ROOT = Path(__file__).resolve().parent.parent
+ATTENTION_RATIOS = (0.8, 0.6, 0.4, 0.2)
+MODEL_KEEPS = (0.8, 0.6, 0.4)
+DTYPES = ("float32", "bfloat16")
+REPEATS = 5
 PREFILL = (4, 512)
 PROMPT, NEW_TOKENS, DECODE_BATCHES = 16, 128, (1, 8)
-TARGET_ATTENTION_RATIO = 0.4
-"""Attention-block time must be below dense at rho <= this."""
-TARGET_PREFILL = 0.95
-"""Whole-model prefill time at rho 0.2 must be at most this fraction of dense."""
-TINY_SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632,
-                  vocab_size=32000, max_position_embeddings=2048)
+ATTENTION = frozenset("qkvo")
+
+TINYLLAMA_SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632,
+                       vocab_size=32000, max_position_embeddings=2048, num_hidden_layers=22)
+SMOKE_SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=352,
+                   vocab_size=4000, max_position_embeddings=256, num_hidden_layers=2)
+"""`--smoke`: the TinyLlama-shaped path at a size that compresses and runs in seconds."""
+
+TARGETS = {
+    "never_slower": 1.0,  # every FTC variant's prefill and decode tokens/s, x dense
+    "model_0.6_decode_b1": 1.4,  # whole model, 40% smaller
+    "model_0.6_prefill": 1.3,
+    "model_0.6_rss": 0.75,  # peak RSS, x dense (at most)
+    "held_speed": 1.6,  # attention values held / stored (at most)
+    "held_memory": 1.25,
+}
+"""The targets of the runtime (SmolLM2-135M-Instruct on CPU, side by side in one run)."""
+
+QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
+             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+# ---------------------------------------------------------------------------------------------
+# variants and the artifacts behind them
 
 
-class AttentionTimer:
-    """Wall time spent inside every decoder layer's attention module (hooks before and after)."""
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One model to measure: the dense one, or an FTC artifact of one scope at one ratio."""
 
-    def __init__(self, model: nn.Module, layout: AttentionLayout, device: torch.device) -> None:
-        self.device, self.seconds, self._start = device, 0.0, 0.0
-        attention = layout.q.rpartition(".")[0]
-        self.handles = []
-        for layer in decoder_layers(model, layout):
-            module = layer.get_submodule(attention)
-            self.handles.append(module.register_forward_pre_hook(self._enter))
-            self.handles.append(module.register_forward_hook(self._leave))
+    name: str
+    scope: str  # "dense" | "attention" | "model"
+    ratio: float = 1.0
+    folder: str | None = None
+    unavailable: str | None = None
 
-    def _enter(self, *_) -> None:
-        self._start = _clock(self.device)
-
-    def _leave(self, *_) -> None:
-        self.seconds += _clock(self.device) - self._start
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+    @property
+    def label(self) -> str:
+        if self.scope == "dense":
+            return "dense"
+        if self.scope == "attention":
+            return f"attention rho {self.ratio}"
+        return f"whole model keep {self.ratio} (-{round(100 * (1 - self.ratio))}%)"
 
 
-def held_bytes(module: nn.Module) -> int:
-    """Bytes of every distinct parameter and buffer a module holds (shared tensors once)."""
-    tensors = {t.data_ptr(): t for t in [*module.parameters(), *module.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def scope_support() -> str | None:
+    """How the installed `ftc.compress` takes a compression scope: a `CompressOptions` field, a
+    `compress()` argument, or not at all (None)."""
+    from ftc.compress import CompressOptions, compress
+
+    if "scope" in {f.name for f in dataclasses.fields(CompressOptions)}:
+        return "options"
+    if "scope" in inspect.signature(compress).parameters:
+        return "argument"
+    return None
 
 
-def attention_bytes(model: nn.Module, layout: AttentionLayout) -> int:
-    attention = layout.q.rpartition(".")[0]
-    total = 0
-    for layer in decoder_layers(model, layout):
-        parts = [layer.get_submodule(attention)] + ([layer.ftc] if hasattr(layer, "ftc") else [])
-        total += sum(held_bytes(p) for p in parts)
-    return total
+def compress_to(folder: Path, model: str, ratio: float, scope: str, calib_samples: int, seq_len: int) -> Path:
+    """An FTC artifact of `model` (compressed once; kept in `folder` for later runs)."""
+    from ftc.compress import CompressOptions, compress
 
-
-@torch.no_grad()
-def prefill(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, device: torch.device) -> tuple[float, float]:
-    """`(seconds of the forward, seconds inside attention)` of one prefill."""
-    timer = AttentionTimer(model, layout, device)
-    try:
-        t0 = _clock(device)
-        model(ids, use_cache=False)
-        return _clock(device) - t0, timer.seconds
-    finally:
-        timer.remove()
-
-
-@torch.no_grad()
-def decode(model: nn.Module, prompt: torch.Tensor, device: torch.device) -> float:
-    """Seconds to generate `NEW_TOKENS` greedily with the KV cache."""
-    t0 = _clock(device)
-    out = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                         use_cache=True, pad_token_id=0)
-    seconds = _clock(device) - t0
-    assert out.shape[1] == prompt.shape[1] + NEW_TOKENS
-    return seconds
-
-
-def measure(variants: dict[str, Callable[[], nn.Module]], vocab: int, device: torch.device, repeats: int) -> dict:
-    """Every variant once per repeat, in turn; medians per variant."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, PREFILL, generator=generator).to(device)
-    prompts = {b: torch.randint(0, vocab, (b, PROMPT), generator=generator).to(device) for b in DECODE_BATCHES}
-    models = {name: make().to(device).eval() for name, make in variants.items()}
-    layout = layout_of(models["dense"].config)  # every variant has the dense model's layout
-    samples: dict[str, dict[str, list[float]]] = {name: {} for name in models}
-    for model in models.values():  # warm-up (allocator, kernels) outside the clock
-        prefill(model, layout, ids[:1, :64], device)
-        decode(model, prompts[1][:, :4], device)
-    for repeat in range(repeats):
-        for name, model in models.items():
-            seconds, attention = prefill(model, layout, ids, device)
-            row = samples[name]
-            row.setdefault("prefill_seconds", []).append(seconds)
-            row.setdefault("attention_seconds", []).append(attention)
-            for b, prompt in prompts.items():
-                row.setdefault(f"decode_b{b}_seconds", []).append(decode(model, prompt, device))
-        print(f"  repeat {repeat + 1}/{repeats} done", flush=True)
-    tokens = PREFILL[0] * PREFILL[1]
-    out = {}
-    for name, model in models.items():
-        med = {k: statistics.median(v) for k, v in samples[name].items()}
-        out[name] = {
-            **{k: round(v, 4) for k, v in med.items()},
-            "prefill_tokens_per_s": round(tokens / med["prefill_seconds"], 1),
-            **{f"decode_b{b}_tokens_per_s": round(b * NEW_TOKENS / med[f"decode_b{b}_seconds"], 2)
-               for b in DECODE_BATCHES},
-            "attention_bytes": attention_bytes(model, layout),
-            "model_bytes": held_bytes(model),
-            "repeats": repeats,
-        }
-    return out
-
-
-def _artifact(folder: Path, options: CompressOptions) -> Path:
-    if not (folder / "manifest.json").exists():
-        print(f"  compressing {options.model} at rho {options.ratio} -> {folder}", flush=True)
-        compress(options, folder, overwrite=True, progress=False)
+    if (folder / "manifest.json").exists():
+        return folder
+    options = CompressOptions(model=model, ratio=ratio, calib_samples=calib_samples, seq_len=seq_len,
+                              dtype="float16", device="cpu")
+    extra = {}
+    if scope == "model":
+        if scope_support() == "options":
+            options = dataclasses.replace(options, scope="model")
+        else:
+            extra["scope"] = "model"
+    print(f"  compressing {model} ({scope}, {ratio}) -> {folder}", flush=True)
+    compress(options, folder, overwrite=True, progress=False, **extra)
     return folder
 
 
-def smollm2_variants(artifacts: Path, device: torch.device) -> tuple[dict, int, str]:
-    def dense() -> nn.Module:
-        return load_model(resolve_model("smollm2-135m"))[0]
+def ftc_variants(make: Callable[[float, str], Path], ratios: tuple[float, ...],
+                 keeps: tuple[float, ...]) -> list[Variant]:
+    """The FTC variants, `make(ratio, scope) -> folder`; whole-model ones marked unavailable while
+    `compress` takes no scope (or when compressing one fails, with the error)."""
+    variants = [Variant(f"attention-{r}", "attention", r, str(make(r, "attention"))) for r in ratios]
+    support = scope_support()
+    for keep in keeps:
+        name = f"model-{keep}"
+        if support is None:
+            variants.append(Variant(name, "model", keep, unavailable="ftc.compress.compress takes no scope= yet"))
+            continue
+        try:
+            variants.append(Variant(name, "model", keep, str(make(keep, "model"))))
+        except Exception as exc:  # a scope that exists but fails here is reported, not fatal
+            variants.append(Variant(name, "model", keep, unavailable=f"{type(exc).__name__}: {exc}"))
+    return variants
 
-    variants: dict[str, Callable[[], nn.Module]] = {"dense": dense}
-    for ratio in RATIOS:
-        folder = _artifact(artifacts / f"smollm2-{ratio}", CompressOptions(
-            model="smollm2-135m", ratio=ratio, calib_samples=8, seq_len=512, dtype="float16", device=str(device)))
-        variants[f"ftc@{ratio}"] = lambda folder=folder: load_artifact(folder)[0]
-    setup = "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32); FTC artifacts: 8 x 512 calibration tokens"
-    return variants, 49152, setup
+
+def save_dense(model, tokenizer, folder: Path) -> None:
+    """`model` as a float16 safetensors folder (the dtype artifacts keep their untouched weights in)."""
+    import torch
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.float16).save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    os.replace(tmp, folder)
 
 
-def tinyllama_variants(artifacts: Path, device: torch.device, layers: int) -> tuple[dict, int, str]:
+def smollm2(artifacts: Path, ratios, keeps) -> tuple[list[Variant], dict]:
+    from ftc.loading import load_model
+    from ftc.models import resolve_model
+
+    dense = artifacts / "smollm2-dense"
+    if not (dense / "config.json").exists():
+        print(f"  writing the dense SmolLM2 folder {dense}", flush=True)
+        save_dense(*load_model(resolve_model("smollm2-135m")), dense)
+
+    def make(ratio: float, scope: str) -> Path:
+        return compress_to(artifacts / f"smollm2-{scope}-{ratio}", "smollm2-135m", ratio, scope, 8, 512)
+
+    variants = [Variant("dense", "dense", folder=str(dense)), *ftc_variants(make, ratios, keeps)]
+    return variants, {"title": "SmolLM2-135M-Instruct", "vocab": 49152,
+                      "setup": "SmolLM2-135M-Instruct (its Q4_1 GGUF dequantised, saved as float16 safetensors); "
+                               "FTC artifacts compressed from it with 8 x 512 WikiText-2 calibration tokens"}
+
+
+def random_llama(shape: dict, layers: int, vocab: int, seed: int):
+    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ftc.hf.modeling_ftc import place
-    from ftc.models import load_tokenizer
-    from ftc.stored import build_modules
-
-    source = artifacts / "tinyllama-shape-1layer"
-    if not (source / "config.json").exists():
-        torch.manual_seed(0)
-        one = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY_SHAPE, "vocab_size": 49152},
-                                                           num_hidden_layers=1))
-        one.save_pretrained(source)
-        load_tokenizer(resolve_model("smollm2-135m")).save_pretrained(source)
-    config = LlamaConfig(**TINY_SHAPE, num_hidden_layers=layers)
-
-    def dense() -> nn.Module:
-        torch.manual_seed(1)
-        return AutoModelForCausalLM.from_config(config).eval()
-
-    def compressed(folder: Path) -> nn.Module:
-        """The dense random model with layer 0's stored groups installed in every layer."""
-        from safetensors.torch import load_file
-
-        from ftc.artifact import WEIGHTS, read_manifest
-
-        model = dense()
-        layout = layout_of(config)
-        tensors = load_file(str(folder / WEIGHTS))
-        entry = read_manifest(folder)["layers"][0]
-        for layer in decoder_layers(model, layout):
-            modules, groups = {}, nn.ModuleDict()
-            for spec in entry["groups"]:
-                name = "".join(spec["proj"])
-                prefix = f"model.layers.0.ftc.{name}."
-                group = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-                built = build_modules(spec, group, {}, layout.head_dim, torch.float32)
-                groups[name] = next(iter(built.values())).group  # registered as load_artifact does
-                modules.update(built)
-            place(layer, layout.projections, modules)
-            layer.ftc = groups
-        return model
-
-    variants: dict[str, Callable[[], nn.Module]] = {"dense": dense}
-    for ratio in RATIOS:
-        folder = _artifact(artifacts / f"tinyllama-shape-{ratio}", CompressOptions(
-            model=str(source), ratio=ratio, calib_samples=4, seq_len=512, dtype="float16", device=str(device)))
-        variants[f"ftc@{ratio}"] = lambda folder=folder: compressed(folder)
-    setup = (f"random weights, TinyLlama-1.1B shape with {layers} of its 22 layers; FTC factors of one random "
-             f"layer (4 x 512 calibration tokens) in every layer")
-    return variants, TINY_SHAPE["vocab_size"], setup
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**shape, "num_hidden_layers": layers, "vocab_size": vocab})
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
-def verdicts(rows: dict) -> dict:
-    dense = rows["dense"]
-    low = [r for r in RATIOS if r <= TARGET_ATTENTION_RATIO]
-    return {
-        "attention_below_dense_at_rho<=0.4": all(
-            rows[f"ftc@{r}"]["attention_seconds"] < dense["attention_seconds"] for r in low),
-        "prefill_at_rho_0.2_vs_dense": round(rows["ftc@0.2"]["prefill_seconds"] / dense["prefill_seconds"], 3),
-        "prefill_target_met": rows["ftc@0.2"]["prefill_seconds"] <= TARGET_PREFILL * dense["prefill_seconds"],
-    }
+def replicate(one_layer: Path, dense: Path, out: Path, layers: int) -> Path:
+    """A full-depth artifact: `dense`'s weights, each layer's compressed projections replaced by
+    the groups of `one_layer`'s (only) layer, the same in every layer.
+
+    The folder is what `ftc compress` writes (config with the `ftc` block, weights, manifest, the
+    modeling file), so it loads through `load_artifact` like any artifact.
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from ftc.artifact import CODE, CONFIG, MANIFEST, WEIGHTS, atomic_dir
+
+    if (out / MANIFEST).exists():
+        return out
+    config = json.loads((one_layer / CONFIG).read_text())
+    manifest = json.loads((one_layer / MANIFEST).read_text())
+    prefix = config["ftc"]["layers_path"]
+    source = load_file(str(one_layer / WEIGHTS))
+    kept = [n[len(f"{prefix}.0."):] for n in source if n.startswith(f"{prefix}.0.")]
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(dense.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                if not name.startswith(f"{prefix}."):
+                    tensors[name] = f.get_tensor(name)
+                elif name.split(".", prefix.count(".") + 2)[-1] in kept:
+                    tensors[name] = f.get_tensor(name)
+    for index in range(layers):
+        for suffix in kept:
+            if suffix.startswith("ftc."):
+                # one copy per layer, as compress writes them
+                tensors[f"{prefix}.{index}.{suffix}"] = source[f"{prefix}.0.{suffix}"].clone()
+    missing = [f"{prefix}.{i}.{s}" for i in range(layers) for s in kept if f"{prefix}.{i}.{s}" not in tensors]
+    if missing:
+        raise ValueError(f"{dense} lacks {missing[:3]}: not the shape {one_layer} was compressed at")
+    dense_config = json.loads((dense / CONFIG).read_text())
+    entry = manifest["layers"][0]
+    config.update(num_hidden_layers=layers, vocab_size=dense_config["vocab_size"])
+    config["ftc"]["layers"] = [{**config["ftc"]["layers"][0], "index": i} for i in range(layers)]
+    manifest.update(layers=[{**entry, "index": i} for i in range(layers)],
+                    stored_values=entry["stored_values"] * layers, runtime_values=entry["runtime_values"] * layers,
+                    synthetic=f"layer 0 of {one_layer.name} in each of {layers} layers of {dense.name}")
+    with atomic_dir(out, overwrite=True) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS), {"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+        shutil.copyfile(one_layer / CODE, tmp / CODE)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def llama_shape(artifacts: Path, ratios, keeps, shape: dict, tag: str, title: str) -> tuple[list[Variant], dict]:
+    """The dense random model of `shape` and its FTC artifacts (one compressed layer, replicated)."""
+    from ftc.models import load_tokenizer, resolve_model
+
+    layers, vocab = shape["num_hidden_layers"], shape["vocab_size"]
+    dense = artifacts / f"{tag}-dense-{layers}"
+    if not (dense / "config.json").exists():
+        print(f"  writing the dense random {tag} folder {dense}", flush=True)
+        save_dense(random_llama(shape, layers, vocab, seed=1), None, dense)
+    source = artifacts / f"{tag}-source-1layer"
+    if not (source / "config.json").exists():  # SmolLM2's vocabulary, so its tokenizer reads the calibration text
+        save_dense(random_llama(shape, 1, 49152, seed=0), load_tokenizer(resolve_model("smollm2-135m")), source)
+
+    def make(ratio: float, scope: str) -> Path:
+        one = compress_to(artifacts / f"{tag}-1layer-{scope}-{ratio}", str(source), ratio, scope, 4, 512)
+        return replicate(one, dense, artifacts / f"{tag}-{layers}-{scope}-{ratio}", layers)
+
+    variants = [Variant("dense", "dense", folder=str(dense)), *ftc_variants(make, ratios, keeps)]
+    return variants, {"title": title, "vocab": vocab,
+                      "setup": f"random weights of the shape {shape}; FTC: one random layer of that shape "
+                               f"compressed with 4 x 512 calibration tokens, its groups in every layer"}
+
+
+# ---------------------------------------------------------------------------------------------
+# held values and forms, from the artifact's shapes
+
+
+def runtime_summary(folder: Path) -> dict:
+    """Forms and values held per runtime, from the config's group specs by the loader's rule."""
+    from ftc.hf.modeling_ftc import choose_form, form_costs
+
+    block = json.loads((folder / "config.json").read_text())["ftc"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    stored = {(e["index"], "".join(g["proj"])): g["values"] for e in manifest["layers"] for g in e["groups"]}
+    forms: dict[str, Counter] = {}
+    totals = {part: {"stored": 0, "speed": 0, "memory": 0} for part in ("attention", "mlp")}
+    for entry in block["layers"]:
+        for spec in entry["groups"]:
+            name = "".join(spec["proj"])
+            form = choose_form(spec, "speed")
+            forms.setdefault(name, Counter())[form] += 1
+            costs = form_costs(spec)
+            part = totals["attention" if set(spec["proj"]) <= ATTENTION else "mlp"]
+            part["stored"] += stored[(entry["index"], name)]
+            part["speed"] += costs[form].values
+            part["memory"] += costs["stored"].values
+    return {"forms": {name: dict(c) for name, c in forms.items()},
+            "held": {part: {**t, "speed_x_stored": round(t["speed"] / t["stored"], 3) if t["stored"] else None,
+                            "memory_x_stored": round(t["memory"] / t["stored"], 3) if t["stored"] else None}
+                     for part, t in totals.items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# one measurement, in its own process
+
+
+def _proc_status(field: str) -> int | None:
+    """A `/proc/self/status` memory field in bytes (Linux), else None."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def peak_rss() -> int:
+    peak = _proc_status("VmHWM")
+    if peak is None:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak
+
+
+class _Clock:
+    """A generation streamer that timestamps the prompt and every new token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, _value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def worker(job: dict) -> dict:
+    """One fresh process's measurement: `speed` (prefill and decode) or `rss` (load and generate)."""
+    import torch
+    import transformers  # noqa: F401  (imported before the interpreter's own RSS is read)
+
+    import ftc.artifact  # noqa: F401
+
+    rss_imports = _proc_status("VmRSS")
+    threads = job["threads"]
+    torch.set_num_threads(threads)
+    dtype = getattr(torch, job["dtype"])
+    t0 = time.perf_counter()
+    if job["scope"] == "dense":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=dtype).eval()
+    else:
+        from ftc.artifact import load_artifact
+
+        model = load_artifact(Path(job["folder"]), dtype, runtime=job["runtime"])[0]
+    load_seconds = time.perf_counter() - t0
+    rss_loaded = _proc_status("VmRSS")
+    generator = torch.Generator().manual_seed(0)
+    batch, length = job["prefill"]
+    ids = torch.randint(0, job["vocab"], (batch, length), generator=generator)
+    prompts = {b: torch.randint(0, job["vocab"], (b, job["prompt"]), generator=generator) for b in job["batches"]}
+
+    def generate(prompt, tokens: int) -> _Clock:
+        clock = _Clock()
+        out = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, use_cache=True,
+                             pad_token_id=0, streamer=clock)
+        assert out.shape[1] == prompt.shape[1] + tokens, out.shape
+        return clock
+
+    result = {"load_seconds": round(load_seconds, 3), "threads": torch.get_num_threads()}
+    new = job["new_tokens"]
+    with torch.inference_mode():
+        if job["kind"] == "rss":
+            generate(prompts[1], new)
+            return {**result, "peak_rss": peak_rss(), "rss_imports": rss_imports, "rss_loaded": rss_loaded}
+        model(ids[:1, :32], use_cache=True, logits_to_keep=1)  # warm-up: allocator, kernels
+        generate(prompts[1][:, :4], 4)
+        start = time.perf_counter()
+        model(ids, use_cache=True, logits_to_keep=1)
+        result["prefill_tokens_per_s"] = batch * length / (time.perf_counter() - start)
+        for b, prompt in prompts.items():
+            clock = generate(prompt, new)
+            # times[0]: the prompt handed over; times[1]: first new token (prompt prefill done)
+            result[f"decode_b{b}_tokens_per_s"] = b * (new - 1) / (clock.times[-1] - clock.times[1])
+            result[f"first_token_b{b}_seconds"] = clock.times[1] - clock.times[0]
+    return result
+
+
+def run_worker(job: dict, timeout: float) -> dict:
+    threads = str(job["threads"])
+    env = {**os.environ, **QUIET_ENV, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
+                              env=env, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# the side-by-side loop
+
+
+def median_of(samples: list[dict], key: str) -> float | None:
+    values = [s[key] for s in samples if key in s]
+    return statistics.median(values) if values else None
+
+
+def spread_of(samples: list[dict], key: str) -> float | None:
+    """Half the range of the samples, relative to their median (how far apart the repeats were)."""
+    values = [s[key] for s in samples if key in s]
+    if len(values) < 2:
+        return None
+    return (max(values) - min(values)) / 2 / statistics.median(values)
+
+
+SPEED_KEYS = ("prefill_tokens_per_s", *(f"decode_b{b}_tokens_per_s" for b in DECODE_BATCHES))
+RSS_KEYS = ("peak_rss", "rss_imports", "rss_loaded")
+
+
+def measure_block(variants: list[Variant], base_job: dict, kind: str, repeats: int, timeout: float,
+                  progress: dict) -> dict:
+    """Every available variant once per repeat, each in a fresh process, the order rotated."""
+    live = [v for v in variants if v.unavailable is None]
+    samples: dict[str, list[dict]] = {v.name: [] for v in live}
+    for repeat in range(repeats):
+        shift = repeat % len(live)
+        for variant in live[shift:] + live[:shift]:
+            job = {**base_job, "kind": kind, "scope": variant.scope, "folder": variant.folder}
+            started = time.perf_counter()
+            sample = run_worker(job, timeout)
+            progress["done"] += 1
+            progress["seconds"] += time.perf_counter() - started
+            eta = progress["seconds"] / progress["done"] * (progress["total"] - progress["done"])
+            print(f"    {kind} {variant.name} repeat {repeat + 1}/{repeats}: "
+                  f"{sample.get('error') or _brief(sample)}  [{progress['done']}/{progress['total']}, "
+                  f"about {eta / 60:.0f} min left]", flush=True)
+            samples[variant.name].append(sample)
+    keys = SPEED_KEYS if kind == "speed" else RSS_KEYS
+    return {name: {"median": {k: median_of(s, k) for k in keys}, "spread": {k: spread_of(s, k) for k in keys},
+                   "errors": [x["error"] for x in s if "error" in x], "samples": s} for name, s in samples.items()}
+
+
+def _brief(sample: dict) -> str:
+    if "peak_rss" in sample:
+        return f"peak RSS {sample['peak_rss'] / 2**20:.0f} MiB"
+    return " ".join(f"{k.split('_tokens')[0]} {sample[k]:.1f}" for k in SPEED_KEYS if k in sample)
+
+
+def machine_facts() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    cores = None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        names = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+        ids, physical, core = set(), None, None
+        for line in text.splitlines():
+            if line.startswith("physical id"):
+                physical = line.split(":")[1].strip()
+            elif line.startswith("core id"):
+                core = line.split(":")[1].strip()
+                ids.add((physical, core))
+        cores = len(ids) or None
+    except OSError:
+        pass
+    memory = None
+    try:
+        memory = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                      if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        pass
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, cwd=ROOT).stdout.strip())
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "physical_cores": cores,
+            "torch_default_threads": torch.get_num_threads(), "memory_bytes": memory,
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability(), "os": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "git_commit": commit + (" (with uncommitted changes)" if dirty else "")}
+
+
+def settings_of(args, threads: list[int]) -> dict:
+    return {"prefill": list(args.prefill), "prompt": PROMPT, "new_tokens": args.new_tokens,
+            "decode_batches": list(DECODE_BATCHES), "repeats": args.repeats, "dtypes": list(args.dtypes),
+            "threads": threads, "runtime": args.runtime, "ratios": list(args.ratios), "keeps": list(args.keeps),
+            "tiny_layers": args.tiny_layers}
+
+
+def run(args) -> dict:
+    import torch
+
+    threads = sorted({1, torch.get_num_threads()} if args.threads == "both" else {int(args.threads)})
+    settings = settings_of(args, threads)
+    results = json.loads(args.out.read_text()) if args.out.exists() and not args.fresh else {}
+    if results.get("settings") not in (None, settings):
+        raise SystemExit(f"{args.out} holds a run with other settings ({results['settings']}); pass --fresh to "
+                         "replace it or --out for another file")
+    results.update(settings=settings, command=shlex.join([sys.executable, *sys.argv]),
+                   machine=machine_facts(), load_average_before=os.getloadavg())
+    results.setdefault("models", {})
+    args.artifacts.mkdir(parents=True, exist_ok=True)
+    prepared = {}
+    for name in args.models:
+        print(f"{name}: preparing the variants", flush=True)
+        if name == "smollm2":
+            prepared[name] = smollm2(args.artifacts, args.ratios, args.keeps)
+        else:
+            shape = {**TINYLLAMA_SHAPE, "num_hidden_layers": args.tiny_layers} if name == "tinyllama-shape" \
+                else SMOKE_SHAPE
+            title = ("TinyLlama-1.1B shape" + (f" ({args.tiny_layers} of its 22 layers)" if args.tiny_layers != 22
+                                               else "") + ", random weights") if name == "tinyllama-shape" \
+                else "small random Llama (smoke)"
+            prepared[name] = llama_shape(args.artifacts, args.ratios, args.keeps, shape, name, title)
+    blocks = [(name, dtype, t) for name in args.models for dtype in args.dtypes for t in [*threads, "rss"]]
+    todo = [b for b in blocks if _block_key(*b[1:]) not in results["models"].get(b[0], {}).get("runs", {})]
+    live = {name: len([v for v in variants if v.unavailable is None]) for name, (variants, _) in prepared.items()}
+    progress = {"done": 0, "seconds": 0.0, "total": sum(live[b[0]] * args.repeats for b in todo)}
+    for name, (variants, facts) in prepared.items():
+        entry = results["models"].setdefault(name, {})
+        entry.update(facts, variants={v.name: {**dataclasses.asdict(v), "label": v.label,
+                                               **(runtime_summary(Path(v.folder)) if v.folder and v.scope != "dense"
+                                                  else {})} for v in variants})
+        entry.setdefault("runs", {})
+    started = time.time()
+    for name, dtype, thread in todo:
+        variants, facts = prepared[name]
+        print(f"{name}, {dtype}, {'peak RSS' if thread == 'rss' else f'{thread} thread(s)'}:", flush=True)
+        job = {"dtype": dtype, "threads": threads[-1] if thread == "rss" else thread, "vocab": facts["vocab"],
+               "prefill": list(args.prefill), "prompt": PROMPT, "new_tokens": args.new_tokens,
+               "batches": list(DECODE_BATCHES), "runtime": args.runtime}
+        block = measure_block(variants, job, "rss" if thread == "rss" else "speed", args.repeats, args.timeout,
+                              progress)
+        results["models"][name]["runs"][_block_key(dtype, thread)] = block
+        _save(args.out, results)
+    results.update(load_average_after=os.getloadavg(), measured_seconds=round(time.time() - started))
+    _save(args.out, results)
+    return results
+
+
+def _block_key(dtype: str, thread) -> str:
+    return f"{dtype}/rss" if thread == "rss" else f"{dtype}/threads={thread}"
+
+
+def _save(path: Path, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(results, indent=2))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def _ratio(value, reference) -> float | None:
+    return None if value is None or not reference else value / reference
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def verdicts(entry: dict) -> list[str]:
+    """The targets, checked on one model's runs; a target nobody measured says so."""
+    lines = []
+    variants = entry["variants"]
+    ftc = [n for n, v in variants.items() if v["scope"] != "dense" and v["unavailable"] is None]
+    for key, block in entry["runs"].items():
+        if key.endswith("/rss"):
+            continue
+        dense = block.get("dense", {}).get("median", {})
+        slower = [f"{n} {k.split('_tokens')[0]} {_x(_ratio(block[n]['median'][k], dense.get(k)))}"
+                  for n in ftc if n in block for k in SPEED_KEYS
+                  if (r := _ratio(block[n]["median"][k], dense.get(k))) is not None and r < TARGETS["never_slower"]]
+        verdict = "met" if not slower else f"MISSED ({'; '.join(slower)})"
+        lines.append(f"- {key}: never slower than dense: {verdict}")
+        whole = block.get("model-0.6")
+        if whole is None:
+            reason = variants.get("model-0.6", {}).get("unavailable")
+            lines.append(f"- {key}: whole model -40%: not available ({reason})")
+            continue
+        for k, target, label in (("decode_b1_tokens_per_s", TARGETS["model_0.6_decode_b1"], "decode b1"),
+                                 ("prefill_tokens_per_s", TARGETS["model_0.6_prefill"], "prefill")):
+            r = _ratio(whole["median"][k], dense.get(k))
+            lines.append(f"- {key}: whole model -40% {label} {_x(r)} dense (target >= {target}x): "
+                         f"{'met' if r is not None and r >= target else 'MISSED'}")
+    for key, block in entry["runs"].items():
+        if key.endswith("/rss") and "model-0.6" in block:
+            r = _ratio(block["model-0.6"]["median"]["peak_rss"], block["dense"]["median"]["peak_rss"])
+            lines.append(f"- {key}: whole model -40% peak RSS {_x(r)} dense (target <= {TARGETS['model_0.6_rss']}x): "
+                         f"{'met' if r is not None and r <= TARGETS['model_0.6_rss'] else 'MISSED'}")
+    for runtime in ("speed", "memory"):
+        worst = max((v["held"]["attention"][f"{runtime}_x_stored"] or 0 for n, v in variants.items() if n in ftc),
+                    default=None)
+        target = TARGETS[f"held_{runtime}"]
+        lines.append(f"- attention held at run time, {runtime} runtime: at most {_x(worst)} the stored values "
+                     f"(target <= {target}x): {'met' if worst is not None and worst <= target else 'MISSED'}")
+    return lines
 
 
 def render(results: dict) -> str:
-    lines = ["# Inference: FTC artifacts against dense", "",
-             f"Device: {results['device']} ({results['host']}, {results['threads']} torch threads). Prefill "
-             f"{PREFILL[0]} x {PREFILL[1]} tokens; decode {NEW_TOKENS} new tokens after a {PROMPT}-token prompt "
-             f"with the KV cache. Medians of repeats run side by side (each repeat runs every variant once). "
-             "Bytes are the float32 tensors held at run time.", ""]
-    for name, entry in results["models"].items():
-        rows = entry["rows"]
-        dense = rows["dense"]
-        lines += [f"## {name}", "", entry["setup"], "",
-                  "| variant | prefill tok/s | x dense time | attention s | x dense | decode b1 tok/s | "
-                  "decode b8 tok/s | attention MiB | model MiB |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for variant, r in rows.items():
-            lines.append(
-                f"| {variant} | {r['prefill_tokens_per_s']:.0f} | "
-                f"{r['prefill_seconds'] / dense['prefill_seconds']:.3f} | {r['attention_seconds']:.3f} | "
-                f"{r['attention_seconds'] / dense['attention_seconds']:.3f} | {r['decode_b1_tokens_per_s']:.1f} | "
-                f"{r['decode_b8_tokens_per_s']:.1f} | {r['attention_bytes'] / 2**20:.1f} | "
-                f"{r['model_bytes'] / 2**20:.1f} |")
-        v = entry["verdicts"]
-        lines += ["", f"- attention-block time below dense at every rho <= {TARGET_ATTENTION_RATIO}: "
-                      f"{'met' if v['attention_below_dense_at_rho<=0.4'] else 'MISSED'}",
-                  f"- whole-model prefill at rho 0.2: {v['prefill_at_rho_0.2_vs_dense']:.3f}x dense time "
-                  f"(target <= {TARGET_PREFILL}): {'met' if v['prefill_target_met'] else 'MISSED'}", ""]
+    m, s = results["machine"], results["settings"]
+    lines = [
+        "# Inference: FTC artifacts against the dense model, side by side", "",
+        f"Command: `{results['command']}`", "",
+        f"Machine: {m['cpu']}, {m['physical_cores']} cores / {m['logical_cpus']} logical CPUs, "
+        f"{(m['memory_bytes'] or 0) / 2**30:.0f} GiB; torch {m['torch']} ({m['cpu_kernels']} kernels, "
+        f"{m['torch_default_threads']} threads by default), transformers {m['transformers']}, Python {m['python']}, "
+        f"{m['os']}; code at {m['git_commit']}. Load average before {_loads(results.get('load_average_before'))}, "
+        f"after {_loads(results.get('load_average_after'))}.", "",
+        f"Each cell is the median of {s['repeats']} processes, one per repeat and variant, variants interleaved. "
+        f"Prefill: {s['prefill'][0]} x {s['prefill'][1]} tokens into the KV cache, last-position logits. Decode: "
+        f"greedy, KV cache, {s['new_tokens']} new tokens after a {s['prompt']}-token prompt, tokens/s from the first "
+        f"new token to the last. Peak RSS: VmHWM of a fresh process that loads the model and generates "
+        f"{s['new_tokens']} tokens at batch 1 ({s['threads'][-1]} threads). FTC runs in the `{s['runtime']}` runtime. "
+        "(x) is against dense in the same block; +-% is half the range of the repeats.", ""]
+    for entry in results["models"].values():
+        lines += [f"## {entry['title']}", "", entry["setup"], ""]
+        variants = entry["variants"]
+        for key, block in entry["runs"].items():
+            dense = block.get("dense", {}).get("median", {})
+            if key.endswith("/rss"):
+                lines += [f"### {key.split('/')[0]}, peak RSS", "",
+                          "| variant | peak RSS MiB | x dense | after imports MiB | after load MiB |",
+                          "|---|---|---|---|---|"]
+                for name, v in variants.items():
+                    if name not in block:
+                        lines.append(f"| {v['label']} | not available | | | |")
+                        continue
+                    med = block[name]["median"]
+                    lines.append(f"| {v['label']} | {_mib(med['peak_rss'])} | "
+                                 f"{_x(_ratio(med['peak_rss'], dense.get('peak_rss')))} | {_mib(med['rss_imports'])} | "
+                                 f"{_mib(med['rss_loaded'])} |")
+            else:
+                dtype, threads = key.split("/")
+                lines += [f"### {dtype}, {threads.replace('threads=', '')} thread(s)", "",
+                          "| variant | prefill tok/s | decode b1 tok/s | decode b8 tok/s |", "|---|---|---|---|"]
+                for name, v in variants.items():
+                    if name not in block:
+                        lines.append(f"| {v['label']} | not available | | |")
+                        continue
+                    cells = []
+                    for k in SPEED_KEYS:
+                        med, spread = block[name]["median"][k], block[name]["spread"][k]
+                        ratio = "" if name == "dense" else f" ({_x(_ratio(med, dense.get(k)))})"
+                        cells.append("error" if med is None else f"{med:.1f}{ratio}"
+                                     + ("" if spread is None else f" +-{100 * spread:.0f}%"))
+                    lines.append(f"| {v['label']} | " + " | ".join(cells) + " |")
+                errors = {n: b["errors"] for n, b in block.items() if b["errors"]}
+                if errors:
+                    lines += ["", f"Errors: {errors}"]
+            lines.append("")
+        lines += ["### Forms and values held (from the shapes)", "",
+                  "| variant | forms (speed runtime) | attention held / stored: speed | memory | MLP: speed | memory |",
+                  "|---|---|---|---|---|---|"]
+        for v in variants.values():
+            if v["scope"] == "dense":
+                continue
+            if v["unavailable"]:
+                lines.append(f"| {v['label']} | not available: {v['unavailable']} | | | | |")
+                continue
+            forms = "; ".join(f"{g}: " + ", ".join(f"{f} x{n}" for f, n in c.items()) for g, c in v["forms"].items())
+            att, mlp = v["held"]["attention"], v["held"]["mlp"]
+            lines.append(f"| {v['label']} | {forms} | {_x(att['speed_x_stored'])} | {_x(att['memory_x_stored'])} | "
+                         f"{_x(mlp['speed_x_stored'])} | {_x(mlp['memory_x_stored'])} |")
+        lines += ["", "### Targets", "", *verdicts(entry), ""]
     return "\n".join(lines)
 
 
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _loads(loads) -> str:
+    return "-" if not loads else " / ".join(f"{x:.2f}" for x in loads)
+
+
 def plot(results: dict) -> bytes:
-    """Prefill and decode throughput against rho, relative to dense, one panel per model."""
+    """Speed and peak RSS against dense, per model (rows) and dtype/threads block (columns)."""
     import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    models = results["models"]
-    figure = Figure(figsize=(4.8 * len(models), 3.6))
+    models = list(results["models"].values())
+    columns = max(len([k for k in e["runs"] if not k.endswith("/rss")]) for e in models)
+    figure = Figure(figsize=(3.6 * columns, 3.2 * len(models)))
     FigureCanvasAgg(figure)
-    for i, (name, entry) in enumerate(models.items()):
-        ax = figure.add_subplot(1, len(models), i + 1)
-        rows = entry["rows"]
-        for key, label in (("prefill_tokens_per_s", "prefill"), ("decode_b1_tokens_per_s", "decode b1"),
-                           ("decode_b8_tokens_per_s", "decode b8")):
-            ax.plot(RATIOS, [rows[f"ftc@{r}"][key] / rows["dense"][key] for r in RATIOS], marker="o", label=label)
-        ax.plot(RATIOS, [rows["dense"]["attention_seconds"] / rows[f"ftc@{r}"]["attention_seconds"] for r in RATIOS],
-                marker="s", linestyle="--", label="attention block")
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("keep ratio rho")
-        ax.set_ylabel("speed vs dense (x)")
-        ax.invert_xaxis()
-        ax.legend(fontsize=7)
+    for row, entry in enumerate(models):
+        speed_blocks = [k for k in entry["runs"] if not k.endswith("/rss")]
+        for col, key in enumerate(speed_blocks):
+            ax = figure.add_subplot(len(models), columns, row * columns + col + 1)
+            block = entry["runs"][key]
+            rss = entry["runs"].get(f"{key.split('/')[0]}/rss", {})
+            for scope, style in (("attention", "-"), ("model", "--")):
+                names = [n for n, v in entry["variants"].items() if v["scope"] == scope and n in block]
+                ratios = [entry["variants"][n]["ratio"] for n in names]
+                for k, label, color in (("prefill_tokens_per_s", "prefill", "C0"),
+                                        ("decode_b1_tokens_per_s", "decode b1", "C1"),
+                                        ("decode_b8_tokens_per_s", "decode b8", "C2")):
+                    values = [_ratio(block[n]["median"][k], block["dense"]["median"][k]) for n in names]
+                    ax.plot(ratios, values, style, marker="o", color=color,
+                            label=f"{label} ({scope})" if names else None)
+                if rss:
+                    values = [_ratio(rss["dense"]["median"]["peak_rss"], rss[n]["median"]["peak_rss"])
+                              for n in names if n in rss]
+                    ax.plot([r for n, r in zip(names, ratios, strict=True) if n in rss], values, style, marker="s",
+                            color="C3", label=f"1 / peak RSS ({scope})" if values else None)
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_title(f"{entry['title']}\n{key}", fontsize=8)
+            ax.set_xlabel("kept fraction (rho, keep)", fontsize=8)
+            ax.set_ylabel("x dense", fontsize=8)
+            ax.invert_xaxis()
+            ax.legend(fontsize=5)
     figure.tight_layout()
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=120)
+    figure.savefig(buffer, format="png", dpi=110)
     return buffer.getvalue()
 
 
+EPILOG = """\
+Duration (estimates for a quiet 8-core x86 server): SmolLM2 about 1.5 hours for 8 variants x 2 dtypes
+x (1 thread, all threads, peak RSS) x 5 repeats, plus about 15 minutes compressing its 7 artifacts
+once; the TinyLlama-shaped model at its 22 layers about 6-8 hours (a 1-thread process alone takes
+about 3 minutes), plus about 10 minutes writing its artifacts. Progress lines give the time left.
+"""
+
+
+def _prefill(text: str) -> tuple[int, int]:
+    batch, _, length = text.partition("x")
+    return int(batch), int(length)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("smollm2", "tinyllama-shape", "all"), default="all")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=("smollm2", "tinyllama-shape"),
+                        default=["smollm2", "tinyllama-shape"])
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--threads", default="both", help="'both' (1 and torch's default), or one count")
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--ratios", type=float, nargs="*", default=list(ATTENTION_RATIOS),
+                        help="attention-only keep ratios rho")
+    parser.add_argument("--keeps", type=float, nargs="*", default=list(MODEL_KEEPS), help="whole-model keep ratios")
     parser.add_argument("--tiny-layers", type=int, default=22, help="decoder layers of the 1.1B-shaped model")
+    parser.add_argument("--prefill", type=_prefill, default=PREFILL, help="BATCHxTOKENS of the prefill")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--runtime", choices=("speed", "memory"), default="speed", help="the FTC runtime measured")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one measuring process may take")
     parser.add_argument("--artifacts", type=Path, default=Path(tempfile.gettempdir()) / "ftc-inference-bench",
-                        help="where artifacts are kept between runs (compressed when missing)")
+                        help="where models and artifacts are kept between runs (made when missing)")
     parser.add_argument("--out", type=Path, default=RESULTS / "inference.json")
+    parser.add_argument("--fresh", action="store_true", help="ignore the results already in --out")
     parser.add_argument("--render-only", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a small random model, one repeat, one thread, short runs, into a temporary folder")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    device = torch.device(args.device)
-    results = json.loads(args.out.read_text()) if args.out.exists() else {"models": {}}
-    if not args.render_only:
-        results.update(device=str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
-                       host=platform.machine(), threads=torch.get_num_threads())
-        names = ("smollm2", "tinyllama-shape") if args.model == "all" else (args.model,)
-        for name in names:
-            print(f"{name}:", flush=True)
-            if name == "smollm2":
-                variants, vocab, setup = smollm2_variants(args.artifacts, device)
-                title = "SmolLM2-135M"
-            else:
-                variants, vocab, setup = tinyllama_variants(args.artifacts, device, args.tiny_layers)
-                title = f"TinyLlama-1.1B shape ({args.tiny_layers} layers, random)"
-            rows = measure(variants, vocab, device, args.repeats)
-            results["models"][title] = {"setup": setup, "rows": rows, "verdicts": verdicts(rows)}
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=2))
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.smoke:
+        smoke = Path(tempfile.gettempdir()) / "ftc-inference-smoke"
+        args.models, args.dtypes, args.threads, args.repeats = ["smoke"], ["float32"], "1", 1
+        args.ratios, args.keeps, args.prefill, args.new_tokens = [0.4], [0.6], (2, 32), 8
+        args.artifacts, args.out, args.fresh = smoke / "artifacts", smoke / "inference.json", True
+    args.ratios, args.keeps = tuple(args.ratios), tuple(args.keeps)
+    results = json.loads(args.out.read_text()) if args.render_only else run(args)
     args.out.with_suffix(".md").write_text(render(results))
     args.out.with_suffix(".png").write_bytes(plot(results))
     print(render(results))

@@ -161,10 +161,9 @@ def unpack_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _version(x: torch.Tensor) -> int:
-    try:
-        return x._version
-    except RuntimeError:  # inference-mode tensors keep no version counter (and cannot change in place)
-        return -1
+    # inference-mode tensors keep no version counter (reading it raises, at the cost of a C++
+    # exception per call: asked first)
+    return -1 if x.is_inference() else x._version
 
 
 class FactorGroup(nn.Module):

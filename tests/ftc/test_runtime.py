@@ -351,3 +351,15 @@ def test_the_lm_eval_backend_runs_the_same_runtime(tiny_artifact):
     assert {r["form"] for r in memory.model.ftc_forms()} == {"stored"}
     with pytest.raises(ModelError, match="runtime must be one of speed, memory; got 'fast'"):
         FTCLM(pretrained=folder, device="cpu", runtime="fast")
+
+
+@pytest.mark.parametrize("layout", ["gqa", "phi3"])
+def test_a_groups_members_share_one_forward_in_inference_mode_too(layout, tiny_artifact):
+    """Inference tensors keep no version counter; the members still take the first call's output."""
+    model, _, _ = load_artifact(tiny_artifact(layout))
+    calls: list[str] = []
+    for group in (m for m in model.modules() if isinstance(m, FactorGroup)):
+        group.register_forward_hook(lambda module, *_: calls.append("/".join(module.members)))
+    with torch.inference_mode():
+        model(IDS)
+    assert sorted(calls) == sorted("/".join(r["proj"]) for r in model.ftc_forms())
