@@ -7,10 +7,11 @@ outputs are what a person downloads. Checkpoints are listed on request and alway
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import tarfile
+from collections.abc import Callable, Iterator
 
 from service.schemas import Artifact, ArtifactKind, ArtifactList, CheckpointSummary
-from service.store import ObjectStore
+from service.store import ObjectInfo, ObjectStore
 from service.store.layout import CHECKPOINTS, DENSE, LOG, MANIFEST, METRICS, job_prefix
 
 _MEDIA_TYPES = {
@@ -65,3 +66,30 @@ def list_artifacts(
 def media_type(name: str) -> str:
     suffix = name[name.rfind(".") :] if "." in name else ""
     return _MEDIA_TYPES.get(suffix, "application/octet-stream")
+
+
+TAR_BLOCK = 512
+
+
+def model_files(store: ObjectStore, team: str, job_id: str, with_dense: bool = False) -> list[ObjectInfo]:
+    """The files of a job's model folder (with its metrics and log, and on request its dense export)."""
+    prefix = job_prefix(team, job_id)
+    kinds = {"model", "record"} | ({"dense"} if with_dense else set())
+    return [info for info in store.list(prefix) if artifact_kind(info.key[len(prefix):]) in kinds]
+
+
+def tar_stream(store: ObjectStore, prefix: str, files: list[ObjectInfo], folder: str) -> Iterator[bytes]:
+    """A tar of `files` under `folder/`, streamed from the store a chunk at a time (nothing is held
+    whole in memory, so a many-GB model streams as a small one does)."""
+    for info in files:
+        entry = tarfile.TarInfo(f"{folder}/{info.key[len(prefix):]}")
+        entry.size, entry.mtime, entry.mode = info.size, int(info.modified.timestamp()), 0o644
+        yield entry.tobuf(tarfile.PAX_FORMAT)
+        sent = 0
+        for chunk in store.iter_chunks(info.key):
+            sent += len(chunk)
+            yield chunk
+        if sent != info.size:  # the listing and the object disagree: a truncated tar beats a wrong one
+            raise OSError(f"{info.key} changed while it was being sent ({sent} bytes, listed {info.size})")
+        yield b"\0" * (-sent % TAR_BLOCK)
+    yield b"\0" * (2 * TAR_BLOCK)

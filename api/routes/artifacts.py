@@ -11,10 +11,10 @@ from fastapi.responses import StreamingResponse
 from api.deps import AppSettings, Jobs, Store, Team
 from api.errors import documented
 from api.routes.jobs import JobId
-from service.artifacts import list_artifacts, media_type
+from service.artifacts import list_artifacts, media_type, model_files, tar_stream
 from service.schemas import ArtifactList
 from service.store import ObjectMissing
-from service.store.layout import check_key, job_prefix
+from service.store.layout import MANIFEST, check_key, job_prefix
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"], responses=documented(401, 404, 503))
 
@@ -71,4 +71,30 @@ async def download_artifact(
         chunks,
         media_type=media_type(name),
         headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+    )
+
+
+@router.get(
+    "/{job_id}/model.tar",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-tar": {}}}, **documented(409)},
+)
+async def download_model(
+    job_id: JobId,
+    team: Team,
+    jobs: Jobs,
+    store: Store,
+    include: Annotated[Literal["dense"] | None, Query(description="dense: add the dense export, under dense/")] = None,
+) -> StreamingResponse:
+    """The job's model folder as one tar (`{job_id}/`, ready to load once unpacked), with its
+    metrics and log; the dashboard's download. 409 until the job's manifest is there."""
+    await jobs.require(team, job_id)
+    prefix = job_prefix(team, job_id)
+    files = await asyncio.to_thread(model_files, store, team, job_id, include == "dense")
+    if not any(info.key == prefix + MANIFEST for info in files):
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} has no complete model yet (no {MANIFEST})")
+    return StreamingResponse(
+        tar_stream(store, prefix, files, job_id),
+        media_type="application/x-tar",
+        headers={"Content-Disposition": f'attachment; filename="{job_id}.tar"'},
     )
