@@ -54,7 +54,9 @@ def test_flags_become_a_sweep_request() -> None:
     }
 
 
-def test_create_follow_download_rerun_and_cancel(cli_api: Api, capsys, tmp_path: Path) -> None:
+def test_create_follow_download_rerun_and_cancel(
+    cli_api: Api, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert ftc(*CREATE) == 0
     sweep = json.loads(capsys.readouterr().out)
     assert (sweep["name"], sweep["status"], len(sweep["run"]["cells"])) == ("nightly", "queued", 4)
@@ -66,14 +68,30 @@ def test_create_follow_download_rerun_and_cancel(cli_api: Api, capsys, tmp_path:
         await work_queue(services)
         await Scheduler(services).tick()
 
-    def work_once_watched() -> None:  # only then: a quick worker would finish before the first poll
-        wait_until(lambda: "queued" in sys.stdout.getvalue(), "the watch's first line")  # capsys's buffer
+    # The worker starts when the watch has printed its first line, however long that takes: a quick
+    # worker would otherwise finish before the first poll, and the line would not say "queued".
+    first_line = threading.Event()
+    write = sys.stdout.write  # capsys's buffer
+
+    def write_and_note(text: str) -> int:
+        written = write(text)
+        if "\n" in text:
+            first_line.set()
+        return written
+
+    def work_once_watched() -> None:
+        first_line.wait()
         cli_api.run(work_then_report)
 
     worker = threading.Thread(target=work_once_watched)
     worker.start()
-    assert ftc("sweep", "watch", sweep["id"], "--interval", "0.2") == 0
-    worker.join()
+    with monkeypatch.context() as patch:
+        patch.setattr(sys.stdout, "write", write_and_note)
+        try:
+            assert ftc("sweep", "watch", sweep["id"], "--interval", "0.2") == 0
+        finally:
+            first_line.set()  # a watch that failed before printing must not leave the worker waiting
+            worker.join()
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"run {sweep['run']['id']}  queued") and "report: runs/" in out[-1]
 
