@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cli.common import UsageError, writable_out
 from ftc.options import ABLATIONS, ALLOCATIONS, BATCH_SIZE, DEVICES, DTYPES, METHODS, InputError
@@ -26,6 +28,120 @@ def check_inputs(model: str, device: str, datasets: list[tuple[str, str]]) -> No
             load_text(name, split)
     except (ModelError, DatasetError) as exc:
         raise UsageError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class MeasuredSpeed:
+    """How fast a compression ran, measured side by side with one dense pass over the same tokens."""
+
+    model: str
+    decoder_params: int
+    """Parameters of the decoder layers the dense pass ran through (what its time scales with)."""
+    tokens: int
+    dense_forward_seconds: float
+    compress_over_dense: float
+    device: str
+    source: str
+
+
+REFERENCE = MeasuredSpeed(
+    model="SmolLM2-135M-Instruct (FTC at rho 0.4)",
+    decoder_params=30 * 3_540_096,
+    tokens=32 * 512,
+    dense_forward_seconds=52.94853890600007,
+    compress_over_dense=1.9480037984449818,
+    device="CPU, 1 threads",
+    source="benchmarks/results/quality.json (timing.cpu: the median of three side-by-side runs)",
+)
+"""The measured constants behind `--dry-run`'s time estimate (tests/cli/test_dry_run.py checks them
+against the results file, so a new measurement that changes them fails until they are copied)."""
+
+SENSITIVITY_DENSE_PASSES = 45
+"""What `--allocation sensitivity` and asvd's rank search add the first time for a model and its
+calibration, in dense passes (measured on SmolLM2: the layer list took 23 minutes on two threads;
+kept in FTC_CACHE_DIR afterwards)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    seconds: float
+    first_time_seconds: float
+    """Added by a whole-model plan the first time (0 when the method has none)."""
+    artifact_bytes: int
+
+
+def dense_params(model: str) -> int:
+    """Parameters of the uncompressed model, a tied output head counted once (as the manifest's
+    `model_params_dense`), read from the config on the meta device; a multimodal checkpoint counts
+    its text decoder, the part that is compressed. Used until `plan` reports `dense_params` itself."""
+    from ftc.arch import TEXT_PARTS
+    from ftc.models import resolve_model
+    from ftc.weights import load_config, skeleton, text_model_config
+
+    config = load_config(resolve_model(model))
+    if config.model_type in TEXT_PARTS:
+        config = text_model_config(config, TEXT_PARTS[config.model_type])
+    module = skeleton(config)
+    count = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+    head, embedding = module.get_output_embeddings(), module.get_input_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and head is not None and head.weight is not embedding.weight:
+        count -= head.weight.numel()
+    return count
+
+
+def estimate_run(options, planned: dict[str, Any], params: int) -> Estimate:
+    """Time from the measured speed scaled by decoder parameters x calibration tokens; size from what
+    the artifact stores: every weight outside the attention as it is, and the kept attention values,
+    all in the storage dtype."""
+    decoder = planned["layers"] * planned["estimated_peak_bytes"]["one_layer_float32"] // 4
+    dense_pass = REFERENCE.dense_forward_seconds * (decoder * planned["calibration_tokens"]) / (
+        REFERENCE.decoder_params * REFERENCE.tokens)
+    whole_model = planned["estimated_peak_bytes"]["whole_model_for_the_plan"] > 0
+    qkv = planned["qkv_shape"][0] * planned["qkv_shape"][1] * planned["qkv_shape"][2]
+    attention = planned["layers"] * (qkv + planned["o_shape"][0] * planned["o_shape"][1])
+    value_bytes = {"float16": 2, "bfloat16": 2, "float32": 4}[options.dtype]
+    kept = params - attention + planned["attention_budget_values"]
+    return Estimate(REFERENCE.compress_over_dense * dense_pass,
+                    SENSITIVITY_DENSE_PASSES * dense_pass if whole_model else 0.0, kept * value_bytes)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else (
+        f"{seconds / 3600:.1f} h")
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def summary(options, planned: dict[str, Any], estimate: Estimate) -> str:
+    """A few lines a person reads before a long run: what, how much is kept, memory, time, size."""
+    from cli.download import human_bytes
+
+    model = planned["model"]
+    source = model.get("gguf_file") or model.get("path") or model["spec"]
+    part = f", the text decoder of a {planned['text_part_of']}" if planned.get("text_part_of") else ""
+    first = (f", plus about {_duration(estimate.first_time_seconds)} the first time for the whole-model plan "
+             "(cached in FTC_CACHE_DIR)") if estimate.first_time_seconds else ""
+    lines = [
+        f"model        {model['spec']}: {planned['model_type']}{part}, {planned['layers']} layers, hidden "
+        f"{planned['hidden']}, {planned['heads']} heads / {planned['kv_heads']} KV ({source}, "
+        f"{human_bytes(planned['checkpoint_bytes'])})",
+        f"method       {options.method}, keep ratio {options.ratio}, allocation {options.allocation}, "
+        f"stored as {options.dtype}" + (f", without {', '.join(options.ablate)}" if options.ablate else ""),
+        f"calibration  {options.calib_samples} x {options.seq_len} = {planned['calibration_tokens']} tokens of "
+        f"{options.calib}",
+        f"attention    keeps {_count(planned['attention_budget_values'])} values of its Q/K/V and O weights",
+        f"memory       about {human_bytes(planned['estimated_peak_bytes']['total'])} at the peak (one layer "
+        "in float32, the calibration stream, the workspace)",
+        f"time         about {_duration(estimate.seconds)} on one CPU thread{first}; more threads or a GPU are "
+        f"faster (scaled from {REFERENCE.model}: {REFERENCE.compress_over_dense:.2f}x a dense pass over the "
+        "calibration, see docs/results.md)",
+        f"output       about {human_bytes(estimate.artifact_bytes)} ({options.dtype}: the weights outside "
+        "the attention as they are, plus the kept attention values)",
+        "(--json prints the whole plan)",
+    ]
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +167,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     check_inputs(options.model, options.device, [(options.calib, "validation")])
     if args.dry_run:
-        print(json.dumps(plan(options), indent=2))
+        planned = plan(options)
+        if args.json:
+            print(json.dumps(planned, indent=2))
+        else:
+            estimate = estimate_run(options, planned, planned.get("dense_params") or dense_params(options.model))
+            print(summary(options, planned, estimate))
         return 0
     if args.out is None:
         raise UsageError("--out is required (or use --dry-run)")
@@ -97,7 +218,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(sensitivity, ftc and cp; needs the whole model in memory for its plan)")
     c.add_argument("--out", help="artifact folder (written atomically)")
     c.add_argument("--work-dir", help="keep per-layer checkpoints here; re-running resumes from them")
-    c.add_argument("--dry-run", action="store_true", help="print the plan (shapes, budgets, memory) and exit")
+    c.add_argument("--dry-run", action="store_true",
+                   help="print a short plan (what is kept, memory, estimated time and output size) and exit")
+    c.add_argument("--json", action="store_true", help="with --dry-run: the whole plan as JSON, for scripts")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=run)

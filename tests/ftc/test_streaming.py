@@ -83,7 +83,7 @@ def test_a_killed_run_resumes_and_matches_an_uninterrupted_one(tiny_folder, tmp_
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path):
     folder = tiny_folder("gemma_mqa")
-    done = subprocess.run([*FTC, "compress", "--model", str(folder), "--ratio", "0.3", "--dry-run",
+    done = subprocess.run([*FTC, "compress", "--model", str(folder), "--ratio", "0.3", "--dry-run", "--json",
                            "--out", str(tmp_path / "x")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)

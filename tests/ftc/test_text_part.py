@@ -144,12 +144,12 @@ def test_the_dry_run_says_only_the_text_decoder_is_compressed(tmp_path, smollm2_
 
     folder = _save(tiny_multimodal(vocab_size=len(smollm2_tokenizer), layers=4), smollm2_tokenizer, tmp_path / "mm")
     capsys.readouterr()
-    assert main(["compress", "--model", str(folder), "--ratio", "0.3", "--device", "cpu", "--dry-run"]) == 0
+    assert main(["compress", "--model", str(folder), "--ratio", "0.3", "--device", "cpu", "--dry-run", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["model_type"] == "gemma3_text" and shown["text_part_of"] == "gemma3" and shown["layers"] == 4
     assert shown["layer_types"] == {"sliding_attention": 2, "full_attention": 2}
     assert shown["projections"]["q"] == "self_attn.q_proj" and shown["heads"] == 2 and shown["kv_heads"] == 1
-    assert main(["compress", "--model", str(tiny_folder("gemma3")), "--device", "cpu", "--dry-run"]) == 0
+    assert main(["compress", "--model", str(tiny_folder("gemma3")), "--device", "cpu", "--dry-run", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["text_part_of"] is None
 
 
