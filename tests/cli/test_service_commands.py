@@ -82,7 +82,7 @@ def test_ratios_and_a_local_calibration_file_are_handled(cli_api: Api, capsys, t
     record = json.loads(capsys.readouterr().out)
     assert len(record["linked"]) == 1
     dataset = record["request"]["calibration"]["dataset"]
-    assert dataset.startswith("file://") and dataset.endswith("/my-calib.txt")  # uploaded first
+    assert dataset.startswith("upload://upl_") and dataset.endswith("/my-calib.txt")  # uploaded first
     assert ftc("jobs", "ls", "--limit", "1", "--all") == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 2
 
