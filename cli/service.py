@@ -1,4 +1,4 @@
-"""The service commands of the `ftc` CLI: `serve`, `submit` and `jobs ls|get|cancel|retry|watch|download`.
+"""The service commands of the `ftc` CLI: `serve`, `submit` and `jobs ls|get|cancel|retry|watch|files|download`.
 
 The client commands read FTC_API_URL and FTC_API_KEY. Failures print one line on stderr and exit
 with 2. `submit` takes every field of the API's job request as a flag (cli/fields.py).
@@ -145,6 +145,36 @@ def _jobs_retry(client: ApiClient, args: argparse.Namespace) -> int:
     return 0
 
 
+KIND_TITLES = {
+    "model": "the compressed model (ftc jobs download JOB_ID fetches these, with the record)",
+    "dense": "its dense export (--include dense)",
+    "record": "the job's record",
+    "checkpoint": "per-layer checkpoints, to resume (--include checkpoints)",
+}
+
+
+@client_command
+def _jobs_files(client: ApiClient, args: argparse.Namespace) -> int:
+    """The job's files grouped by kind, outputs first; checkpoints counted unless asked for."""
+    listing = client.artifacts(args.job_id, include_checkpoints=args.include_checkpoints)
+    if args.json:
+        print_json(listing)
+        return 0
+    for kind, title in KIND_TITLES.items():
+        files = [a for a in listing["artifacts"] if a["kind"] == kind]
+        if files:
+            print(f"# {title}")
+            for artifact in files:
+                print(f"{human_bytes(artifact['size']):>10}  {artifact['name']}")
+    checkpoints = listing["checkpoints"]
+    if checkpoints["files"] and not args.include_checkpoints:
+        print(f"# {checkpoints['files']} checkpoint files, {human_bytes(checkpoints['bytes'])} (--include-checkpoints "
+              "lists them)")
+    if not listing["complete"]:
+        print("# incomplete: the manifest is written last, once every file is in", file=sys.stderr)
+    return 0
+
+
 INCLUDES = ("dense", "checkpoints")
 """What `jobs download --include` adds to the model folder."""
 
@@ -201,7 +231,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     jobs = subparsers.add_parser("jobs", help="list, inspect, cancel, retry, follow or download jobs")
     actions = jobs.add_subparsers(
-        dest="jobs_command", required=True, metavar="{ls,get,cancel,retry,watch,download}"
+        dest="jobs_command", required=True, metavar="{ls,get,cancel,retry,watch,files,download}"
     )
     ls = actions.add_parser("ls", help="list your team's jobs, newest first")
     ls.add_argument("--status", choices=JOB_STATUSES, help="only jobs in this status (default: all)")
@@ -220,6 +250,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action = actions.add_parser(name, help=text)
         action.add_argument("job_id", help=job_id_help)
         action.set_defaults(func=func)
+
+    files = actions.add_parser("files", help="list a job's files by kind: the model, its record, checkpoints")
+    files.add_argument("job_id", help=job_id_help)
+    files.add_argument("--include-checkpoints", action="store_true", help="list the per-layer checkpoints too")
+    files.add_argument("--json", action="store_true", help="print the API's JSON instead")
+    files.set_defaults(func=_jobs_files)
 
     download = actions.add_parser(
         "download", help="save a succeeded job's model folder, ready to load (with a progress bar)"

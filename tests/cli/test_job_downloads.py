@@ -127,3 +127,18 @@ def test_retry_resubmits_a_failed_job_once_and_refuses_a_live_one(cli_api: Api, 
     assert json.loads(capsys.readouterr().out)["id"] == retried["id"]
     assert ftc("jobs", "retry", retried["id"]) == 2
     assert "409: job " + retried["id"] + " is queued: nothing to retry" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("store_kind", ["local"])
+def test_files_lists_the_model_first_and_counts_the_checkpoints(cli_api: Api, capsys) -> None:
+    job_id = finished_job(cli_api)
+    assert ftc("jobs", "files", job_id) == 0
+    lines = capsys.readouterr().out.splitlines()
+    headings = [line for line in lines if line.startswith("#")]
+    assert headings[:3] == ["# the compressed model (ftc jobs download JOB_ID fetches these, with the record)",
+                            "# its dense export (--include dense)", "# the job's record"]
+    assert headings[3].startswith("# 2 checkpoint files, 19 B")
+    assert "   5.9 KiB  model.safetensors" in lines and "      13 B  log.txt" in lines
+    assert not [line for line in lines if "checkpoints/" in line]
+    assert ftc("jobs", "files", job_id, "--include-checkpoints") == 0
+    assert "      10 B  checkpoints/layer-000.safetensors" in capsys.readouterr().out.splitlines()
