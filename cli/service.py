@@ -205,7 +205,8 @@ def _jobs_download(client: ApiClient, args: argparse.Namespace) -> int:
     to = Path(args.to or args.job_id)
     size = save_folder(client, files, to, overwrite=args.overwrite, quiet=args.quiet)
     print(f"{to} ({len(files)} files, {human_bytes(size)})")
-    print(f"load it: AutoModelForCausalLM.from_pretrained({str(to)!r}, trust_remote_code=True)", file=sys.stderr)
+    print(f"load it: AutoModelForCausalLM.from_pretrained({str(to)!r}, trust_remote_code=True), and "
+          "AutoTokenizer likewise; or: ftc eval " + str(to), file=sys.stderr)
     return 0
 
 
