@@ -254,8 +254,10 @@ def replicate(one_layer: Path, dense: Path, out: Path, layers: int) -> Path:
     return out
 
 
-def llama_shape(artifacts: Path, ratios, keeps, shape: dict, tag: str, title: str) -> tuple[list[Variant], dict]:
-    """The dense random model of `shape` and its FTC artifacts (one compressed layer, replicated)."""
+def llama_shape(artifacts: Path, ratios, keeps, shape: dict, tag: str, title: str,
+                calib: tuple[int, int] = (4, 512)) -> tuple[list[Variant], dict]:
+    """The dense random model of `shape` and its FTC artifacts (one compressed layer, replicated,
+    calibrated with `calib` = (sequences, tokens))."""
     from ftc.models import load_tokenizer, resolve_model
 
     layers, vocab = shape["num_hidden_layers"], shape["vocab_size"]
@@ -268,13 +270,13 @@ def llama_shape(artifacts: Path, ratios, keeps, shape: dict, tag: str, title: st
         save_dense(random_llama(shape, 1, 49152, seed=0), load_tokenizer(resolve_model("smollm2-135m")), source)
 
     def make(ratio: float, scope: str) -> Path:
-        one = compress_to(artifacts / f"{tag}-1layer-{scope}-{ratio}", str(source), ratio, scope, 4, 512)
+        one = compress_to(artifacts / f"{tag}-1layer-{scope}-{ratio}", str(source), ratio, scope, *calib)
         return replicate(one, dense, artifacts / f"{tag}-{layers}-{scope}-{ratio}", layers)
 
     variants = [Variant("dense", "dense", folder=str(dense)), *ftc_variants(make, ratios, keeps)]
     return variants, {"title": title, "vocab": vocab,
                       "setup": f"random weights of the shape {shape}; FTC: one random layer of that shape "
-                               f"compressed with 4 x 512 calibration tokens, its groups in every layer"}
+                               f"compressed with {calib[0]} x {calib[1]} calibration tokens, its groups in every layer"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,8 +385,10 @@ def worker(job: dict) -> dict:
         if job["kind"] == "rss":
             generate(prompts[1], new)
             return {**result, "peak_rss": peak_rss(), "rss_imports": rss_imports, "rss_loaded": rss_loaded}
-        model(ids[:1, :32], use_cache=True, logits_to_keep=1)  # warm-up: allocator, kernels
-        generate(prompts[1][:, :4], 4)
+        # warm-up at the measured shapes: kernels pick and cache their plans per shape on first use
+        model(ids, use_cache=True, logits_to_keep=1)
+        for prompt in prompts.values():
+            generate(prompt, 4)
         start = time.perf_counter()
         model(ids, use_cache=True, logits_to_keep=1)
         result["prefill_tokens_per_s"] = batch * length / (time.perf_counter() - start)
@@ -527,7 +531,8 @@ def run(args) -> dict:
             title = ("TinyLlama-1.1B shape" + (f" ({args.tiny_layers} of its 22 layers)" if args.tiny_layers != 22
                                                else "") + ", random weights") if name == "tinyllama-shape" \
                 else "small random Llama (smoke)"
-            prepared[name] = llama_shape(args.artifacts, args.ratios, args.keeps, shape, name, title)
+            calib = (2, 64) if name == "smoke" else (4, 512)
+            prepared[name] = llama_shape(args.artifacts, args.ratios, args.keeps, shape, name, title, calib)
     blocks = [(name, dtype, t) for name in args.models for dtype in args.dtypes for t in [*threads, "rss"]]
     todo = [b for b in blocks if _block_key(*b[1:]) not in results["models"].get(b[0], {}).get("runs", {})]
     live = {name: len([v for v in variants if v.unavailable is None]) for name, (variants, _) in prepared.items()}
@@ -638,15 +643,17 @@ def render(results: dict) -> str:
             dense = block.get("dense", {}).get("median", {})
             if key.endswith("/rss"):
                 lines += [f"### {key.split('/')[0]}, peak RSS", "",
-                          "| variant | peak RSS MiB | x dense | after imports MiB | after load MiB |",
-                          "|---|---|---|---|---|"]
+                          "| variant | peak RSS MiB | x dense | peak above the imports MiB | x dense "
+                          "| after imports MiB | after load MiB |", "|---|---|---|---|---|---|---|"]
                 for name, v in variants.items():
                     if name not in block:
-                        lines.append(f"| {v['label']} | not available | | | |")
+                        lines.append(f"| {v['label']} | not available | | | | | |")
                         continue
                     med = block[name]["median"]
+                    above = _above(med)
                     lines.append(f"| {v['label']} | {_mib(med['peak_rss'])} | "
-                                 f"{_x(_ratio(med['peak_rss'], dense.get('peak_rss')))} | {_mib(med['rss_imports'])} | "
+                                 f"{_x(_ratio(med['peak_rss'], dense.get('peak_rss')))} | {_mib(above)} | "
+                                 f"{_x(_ratio(above, _above(dense)))} | {_mib(med['rss_imports'])} | "
                                  f"{_mib(med['rss_loaded'])} |")
             else:
                 dtype, threads = key.split("/")
@@ -682,6 +689,13 @@ def render(results: dict) -> str:
                          f"{_x(mlp['speed_x_stored'])} | {_x(mlp['memory_x_stored'])} |")
         lines += ["", "### Targets", "", *verdicts(entry), ""]
     return "\n".join(lines)
+
+
+def _above(median: dict) -> float | None:
+    """Peak RSS less the interpreter's own after importing torch, transformers and ftc."""
+    if median.get("peak_rss") is None or median.get("rss_imports") is None:
+        return None
+    return median["peak_rss"] - median["rss_imports"]
 
 
 def _mib(value) -> str:
