@@ -165,12 +165,19 @@ def ftc_variants(make: Callable[[float, str], Path], ratios: tuple[float, ...],
 
 
 def save_dense(model, tokenizer, folder: Path) -> None:
-    """`model` as a float16 safetensors folder (the dtype artifacts keep their untouched weights in)."""
+    """`model` as a float16 safetensors folder (the dtype artifacts keep their untouched weights in).
+
+    Saved from a plain model of the same config: one loaded from a GGUF keeps a quantizer that
+    refuses to save, though its weights are dequantised.
+    """
     import torch
+    from transformers import AutoModelForCausalLM
 
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.float16).save_pretrained(tmp)
+    plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float16)
+    plain.load_state_dict({k: v.to(torch.float16) for k, v in model.state_dict().items()})
+    plain.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     os.replace(tmp, folder)
