@@ -695,6 +695,8 @@ def render(results: dict) -> str:
             lines.append(f"| {v['label']} | {forms} | {_x(att['speed_x_stored'])} | {_x(att['memory_x_stored'])} | "
                          f"{_x(mlp['speed_x_stored'])} | {_x(mlp['memory_x_stored'])} |")
         lines += ["", "### Targets", "", *verdicts(entry), ""]
+    if results.get("notes"):  # written into the JSON by whoever ran it, kept across renders
+        lines += ["## Notes on this run", "", *(f"- {note}" for note in results["notes"]), ""]
     return "\n".join(lines)
 
 
@@ -757,10 +759,12 @@ def plot(results: dict) -> bytes:
 
 
 EPILOG = """\
-Duration (estimates for a quiet 8-core x86 server): SmolLM2 about 1.5 hours for 8 variants x 2 dtypes
-x (1 thread, all threads, peak RSS) x 5 repeats, plus about 15 minutes compressing its 7 artifacts
-once; the TinyLlama-shaped model at its 22 layers about 6-8 hours (a 1-thread process alone takes
-about 3 minutes), plus about 10 minutes writing its artifacts. Progress lines give the time left.
+Duration (estimates: per-process times measured on a shared 2-core machine, scaled to a quiet
+8-core server): SmolLM2 about 2 hours (8 variants x 2 dtypes x 5 repeats x three processes each:
+one thread about 45 s, all threads about 15 s, peak RSS about 15 s), plus about 10 minutes
+compressing its 7 artifacts once. The TinyLlama-shaped model at its 22 layers about 13 hours (a
+one-thread process about 5 minutes: the 4 x 512 prefill, run twice with its warm-up, is 4.5 TFLOP
+each time); `--tiny-layers 6` about 3.5 hours. Progress lines give the time left as the run goes.
 """
 
 
