@@ -520,7 +520,9 @@ def run(args) -> dict:
     threads = sorted({1, torch.get_num_threads()} if args.threads == "both" else {int(args.threads)})
     settings = settings_of(args, threads)
     results = json.loads(args.out.read_text()) if args.out.exists() and not args.fresh else {}
-    if results.get("settings") not in (None, settings):
+    if "settings" not in results:  # nothing yet, or the format before this benchmark's: start afresh
+        results = {}
+    elif results["settings"] != settings:
         raise SystemExit(f"{args.out} holds a run with other settings ({results['settings']}); pass --fresh to "
                          "replace it or --out for another file")
     results.update(settings=settings, command=shlex.join([sys.executable, *sys.argv]),
