@@ -10,7 +10,8 @@ Stored groups (ftc-method.md §9):
 
 - Tucker (`U1 (d x r1)`, `U2 (w x r2)`, core `(S, r1, r2)`, dense as `core` or sparse as
   `core_values` + the bit-packed `core_mask`): slice `s` is `U1 G_s U2^T`, `w` wide (a head for
-  Q/K/V, the intermediate size for the MLP's gate/up).
+  Q/K/V, the intermediate size for the MLP's gate/up). Without a stored `U2` the second factor is
+  the identity (ftc-method.md §17): slice `s` is `U1 G_s`, `w = r2`.
 - CP (`A (d x R)`, `B (w x R)`, `C (S x R)`): slice `s` is `A diag(c_s) B^T`.
 - Low-rank (`A (in x r)`, `B (r x out)`): one projection, `A B`.
 
@@ -99,9 +100,11 @@ def form_costs(spec: dict) -> dict[str, FormCost]:
     Tucker (`U1 d x r1`, `U2 w x r2`, `S` stored slices, `S'` output slices: `S` unless the
     `kv_repeat` ablation repeats K/V heads, whose copies the runtime forms average in advance):
     stored `d r1 + S r1 r2 + S r2 w`; factored the same over `S'`; merged `d r1 + r1 S' w`;
-    dense `d S' w`. CP (`A d x R`, `B w x R`, `C S x R`): stored = factored `d R + S R + S R w`,
-    holding `(d + w + S) R`; merged `d R + R S w`; dense `d S w`. Low-rank (`A in x r`,
-    `B r x out`): stored = factored `r (in + out)`; dense `in out`.
+    dense `d S' w`. Without `U2` (the identity, `w = r2`) there is no `U2` product: stored
+    `d r1 + S r1 r2`, and merged is the core scattered once (no factored form). CP (`A d x R`,
+    `B w x R`, `C S x R`): stored = factored `d R + S R + S R w`, holding `(d + w + S) R`; merged
+    `d R + R S w`; dense `d S w`. Low-rank (`A in x r`, `B r x out`): stored = factored
+    `r (in + out)`; dense `in out`.
     """
     kind, shapes = spec["kind"], spec["shapes"]
     stored = held_values(spec)
@@ -119,7 +122,13 @@ def form_costs(spec: dict) -> dict[str, FormCost]:
     if kind != "tucker":
         raise ValueError(f"unknown group kind {kind!r}; expected tucker, cp or lowrank")
     slices, r1, r2 = spec["shape"]
-    inputs, width = shapes["U1"][0], shapes["U2"][0]
+    inputs = shapes["U1"][0]
+    dense = FormCost(inputs * out_slices * r2, inputs * out_slices * r2, 1)
+    if "U2" not in shapes:
+        merged = inputs * r1 + r1 * out_slices * r2
+        return {"stored": FormCost(inputs * r1 + slices * r1 * r2, stored, 2, slices * r1 * r2),
+                "merged": FormCost(merged, merged, 2), "dense": dense}
+    width = shapes["U2"][0]
     factored = inputs * r1 + out_slices * r1 * r2
     merged = inputs * r1 + r1 * out_slices * width
     return {
@@ -342,7 +351,8 @@ class TuckerGroup(SlicedGroup):
 
     @property
     def width(self) -> int:
-        return self.spec["shapes"]["U2"][0]
+        shapes = self.spec["shapes"]
+        return shapes["U2"][0] if "U2" in shapes else self.r2  # no `U2`: the identity (§17)
 
     def _copies(self, proj: str) -> int:
         return self.kv_repeat if proj in ("k", "v") else 1
@@ -358,7 +368,9 @@ class TuckerGroup(SlicedGroup):
 
     def _stored(self, x: torch.Tensor) -> torch.Tensor:
         core = self.core_tensor().permute(1, 0, 2).reshape(self.r1, self.slices * self.r2)
-        y = ((x @ self.U1) @ core).unflatten(-1, (self.slices, self.r2)) @ self.U2.T  # (..., S, w)
+        y = ((x @ self.U1) @ core).unflatten(-1, (self.slices, self.r2))
+        if "U2" in self._parameters:
+            y = y @ self.U2.T  # (..., S, w)
         if self.kv_repeat > 1:
             parts, start = [], 0
             for proj, heads in zip(self.members, self.heads, strict=True):
@@ -390,7 +402,9 @@ class TuckerGroup(SlicedGroup):
         if form == "factored":
             return {"U1": self.U1, "G": core.permute(1, 0, 2).reshape(self.r1, -1).to(dtype),
                     "U2t": self.U2.T.to(dtype)}
-        merged = (core @ self.U2.T.to(work)).permute(1, 0, 2).reshape(self.r1, -1)  # [G_s U2^T]_s
+        if "U2" in self._parameters:
+            core = core @ self.U2.T.to(work)  # [G_s U2^T]_s
+        merged = core.permute(1, 0, 2).reshape(self.r1, -1)
         if form == "merged":
             return {"U1": self.U1, "M": merged.to(dtype)}
         return {"W": (self.U1.to(work) @ merged).to(dtype)}

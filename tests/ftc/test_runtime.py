@@ -25,7 +25,7 @@ from ftc.hf.modeling_ftc import (
 )
 from ftc.options import InputError
 from ftc.pipeline import layer_inputs
-from ftc.stored import build_group, cp_tensors, lowrank_tensors, tucker_tensors
+from ftc.stored import build_group, cp_tensors, lowrank_tensors, pack_mask, tucker_tensors
 from ftc.tucker import TuckerFactors
 from tests.support.tiny import LAYOUTS, tiny_model
 
@@ -68,6 +68,13 @@ def test_costs_are_counted_from_the_shapes():
     repeated = form_costs(_tucker_spec(32, 6, 4, 8, [4, 2, 2], kv_repeat=2))
     assert repeated["stored"].macs == 32 * 6 + 12 * 6 * 4 + 12 * 4 * 8
     assert repeated["factored"].macs == 32 * 6 + 8 * 6 * 4 + 8 * 4 * 8 and repeated["dense"].values == 32 * 64
+    # no U2 (the identity, w = r2): no U2 product, and no factored form (it would be the merged one)
+    identity = {"kind": "tucker", "proj": ["gate", "up"], "heads": [1, 1], "shape": [2, 300, 1536],
+                "shapes": {"U1": [576, 300], "core_values": [500000], "core_mask": [115200]}}
+    costs = form_costs(identity)
+    assert set(costs) == {"stored", "merged", "dense"}
+    assert costs["stored"] == FormCost(576 * 300 + 2 * 300 * 1536, 576 * 300 + 500000 + 115200, 2, 2 * 300 * 1536)
+    assert costs["merged"].values == 576 * 300 + 300 * 2 * 1536 and costs["dense"].macs == 576 * 2 * 1536
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
@@ -129,6 +136,12 @@ def _groups() -> dict[str, tuple[dict, dict[str, torch.Tensor], torch.Tensor]]:
         if repeat > 1:  # the copies of each K and V head averaged
             weights = torch.cat([weights[: heads[0]], weights[heads[0]:].unflatten(0, (-1, repeat)).mean(1)])
         out[name] = (spec, tensors, weights)
+    # no stored U2 (the identity, §17): the MLP's gate/up, slices as wide as the core's r2
+    mask = rand(2, 6, 24) > 0
+    core, u1 = rand(2, 6, 24) * mask, rand(16, 6)
+    tensors = {"U1": u1, "core_values": core[mask], "core_mask": pack_mask(mask)}
+    out["tucker_no_u2"] = ({"kind": "tucker", "proj": ["gate", "up"], "heads": [1, 1], "shape": [2, 6, 24],
+                            "shapes": {k: list(t.shape) for k, t in tensors.items()}}, tensors, u1 @ core)
     a, b, c = rand(16, 7), rand(8, 7), rand(8, 7)
     out["cp"] = ({"kind": "cp", "proj": ["q", "k", "v"], "heads": [4, 2, 2],
                   "shapes": {"A": [16, 7], "B": [8, 7], "C": [8, 7]}}, cp_tensors(CPFactors(a, b, c), D),
