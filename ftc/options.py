@@ -58,7 +58,8 @@ activations beside the layer's Grams: 4 x 512 tokens keep a 7B-shaped layer's pe
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 """Storage dtypes of the compressed factors (the unit of the budget); each is the name of the
 `torch` dtype it stands for, so `ftc.compress.storage_dtype` maps it without a second table."""
-MODEL_ALIASES: tuple[str, ...] = ("smollm2-135m",)
+MODEL_ALIASES: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
+"""Built-in model names (`ftc.models.ALIASES` says where each file is and what installs it)."""
 DATASETS: tuple[str, ...] = ("wikitext2", "wikitext2-tune", "wikitext2-tokenized", "ptb")
 """Built-in dataset names; a path to a .txt or .jsonl file is accepted too. `wikitext2-tune` (the
 validation articles kept out of calibration) is for evaluation only, `wikitext2-tokenized` (the
