@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cli.common import UsageError, writable_out
-from ftc.options import ABLATIONS, ALLOCATIONS, BATCH_SIZE, DEVICES, DTYPES, METHODS, InputError
+from ftc.options import ABLATIONS, ALLOCATIONS, BATCH_SIZE, DEVICES, DTYPES, METHODS, SCOPES, InputError
 
 
 def check_inputs(model: str, device: str, datasets: list[tuple[str, str]]) -> None:
@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
             ablate=parse_ablations(args.ablate),
             batch_size=args.batch_size,
             allocation=args.allocation,
+            scope=args.scope,
         ).validate()
     except InputError as exc:
         raise UsageError(str(exc)) from None
@@ -190,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
                 "ratio": options.ratio,
                 "qkv_values_used": storage["qkv_values_used"],
                 "qkv_budget_values": storage["qkv_budget_values"],
+                "scope": storage["scope"],
+                "linear_reduction": round(storage["linear_reduction"], 4),
                 "model_reduction": round(storage["model_reduction"], 4),
                 "seconds": manifest["total_seconds"],
             }
@@ -216,6 +219,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="rho in every layer (uniform), one model-wide budget split by measured curves (global, "
                         "ftc), or layer budgets from the measured divergence of each layer compressed alone "
                         "(sensitivity, ftc and cp; needs the whole model in memory for its plan)")
+    c.add_argument("--scope", default="attention", choices=SCOPES,
+                   help="what --ratio is the keep ratio of: the attention projections (q, k, v, o) or all seven "
+                        "linear projections of every decoder layer (model: the MLP's gate, up and down too)")
     c.add_argument("--out", help="artifact folder (written atomically)")
     c.add_argument("--work-dir", help="keep per-layer checkpoints here; re-running resumes from them")
     c.add_argument("--dry-run", action="store_true",

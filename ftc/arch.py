@@ -1,7 +1,7 @@
-"""Where attention lives in each supported Hugging Face architecture family.
+"""Where attention and the MLP live in each supported Hugging Face architecture family.
 
-Everything model-specific sits here: the rest of the library sees decoder layers, four projection
-names and the head geometry.
+Everything model-specific sits here: the rest of the library sees decoder layers, the names of
+the seven linear projections (q, k, v, o; gate, up, down) and the head geometry.
 """
 
 from __future__ import annotations
@@ -13,19 +13,28 @@ from torch import nn
 from .options import InputError
 
 LLAMA_STYLE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-FAMILIES: dict[str, tuple[str, tuple[str, str, str, str]]] = {
-    "llama": ("model.layers", LLAMA_STYLE),
-    "mistral": ("model.layers", LLAMA_STYLE),
-    "qwen2": ("model.layers", LLAMA_STYLE),
-    "qwen3": ("model.layers", LLAMA_STYLE),
-    "gemma": ("model.layers", LLAMA_STYLE),
-    "gemma2": ("model.layers", LLAMA_STYLE),
-    "gemma3_text": ("model.layers", LLAMA_STYLE),
-    "olmo2": ("model.layers", LLAMA_STYLE),
-    # one fused `qkv_proj` whose rows are the Q, K and V blocks: all three name it
-    "phi3": ("model.layers", ("self_attn.qkv_proj",) * 3 + ("self_attn.o_proj",)),
-    "gptj": ("transformer.h", ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj")),
+GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+FAMILIES: dict[str, tuple[str, tuple[str, str, str, str], tuple[str | None, str, str]]] = {
+    "llama": ("model.layers", LLAMA_STYLE, GATED_MLP),
+    "mistral": ("model.layers", LLAMA_STYLE, GATED_MLP),
+    "qwen2": ("model.layers", LLAMA_STYLE, GATED_MLP),
+    "qwen3": ("model.layers", LLAMA_STYLE, GATED_MLP),
+    "gemma": ("model.layers", LLAMA_STYLE, GATED_MLP),
+    "gemma2": ("model.layers", LLAMA_STYLE, GATED_MLP),
+    "gemma3_text": ("model.layers", LLAMA_STYLE, GATED_MLP),
+    "olmo2": ("model.layers", LLAMA_STYLE, GATED_MLP),
+    # one fused `qkv_proj` whose rows are the Q, K and V blocks: all three name it; likewise
+    # `gate_up_proj`, rows gate then up
+    "phi3": ("model.layers", ("self_attn.qkv_proj",) * 3 + ("self_attn.o_proj",),
+             ("mlp.gate_up_proj", "mlp.gate_up_proj", "mlp.down_proj")),
+    # a two-matrix MLP: no gate
+    "gptj": ("transformer.h", ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"),
+             (None, "mlp.fc_in", "mlp.fc_out")),
 }
+"""Per `model_type`: the decoder layers' path, the attention projections (q, k, v, o) and the MLP
+projections (gate, up, down; gate None for a two-matrix MLP) inside a decoder layer."""
+
+
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,7 @@ class UnsupportedModel(InputError):
 
 @dataclass(frozen=True)
 class AttentionLayout:
-    """Head geometry of one model and the names of its projections inside a decoder layer."""
+    """Head and MLP geometry of one model and the names of its projections inside a decoder layer."""
 
     model_type: str
     layers_path: str
@@ -76,6 +85,10 @@ class AttentionLayout:
     k: str
     v: str
     o: str
+    intermediate: int = 0
+    gate: str | None = None
+    up: str = ""
+    down: str = ""
 
     @property
     def slices(self) -> int:
@@ -84,7 +97,49 @@ class AttentionLayout:
 
     @property
     def projections(self) -> dict[str, str]:
+        """The attention projections, keyed q/k/v/o."""
         return {"q": self.q, "k": self.k, "v": self.v, "o": self.o}
+
+    @property
+    def mlp_projections(self) -> dict[str, str]:
+        """The MLP projections, keyed gate/up/down (no gate in a two-matrix MLP)."""
+        names = {"gate": self.gate, "up": self.up, "down": self.down}
+        return {key: name for key, name in names.items() if name}
+
+    @property
+    def all_projections(self) -> dict[str, str]:
+        """The seven linear projections of a decoder layer (six without a gate)."""
+        return {**self.projections, **self.mlp_projections}
+
+    def scoped(self, scope: str) -> dict[str, str]:
+        """The projections a `scope` compresses: attention's, or every linear one of the layer."""
+        return self.projections if scope == "attention" else self.all_projections
+
+    @property
+    def fused_gate_up(self) -> str | None:
+        """The one module holding gate and up as row blocks (Phi-3's `gate_up_proj`), if fused."""
+        return self.up if self.gate == self.up else None
+
+    @property
+    def mlp_in(self) -> tuple[str, ...]:
+        """The MLP projections that read the MLP input: gate and up, or up alone."""
+        return ("gate", "up") if self.gate else ("up",)
+
+    @property
+    def mlp_in_params(self) -> int:
+        return self.hidden * self.intermediate * len(self.mlp_in)
+
+    @property
+    def down_params(self) -> int:
+        return self.intermediate * self.hidden
+
+    def part_params(self, scope: str) -> dict[str, int]:
+        """Parameters of each budgeted part of one decoder layer (§1, §17): the Q/K/V tensor and
+        `W_O`, and with scope `model` the gate/up tensor and `W_down`."""
+        parts = {"qkv": self.qkv_params, "o": self.o_params}
+        if scope == "model":
+            parts.update(gateup=self.mlp_in_params, down=self.down_params)
+        return parts
 
     @property
     def fused_qkv(self) -> str | None:
@@ -96,6 +151,11 @@ class AttentionLayout:
         """Rows of Q, K and V in a fused projection's `(out, in)` weight: Q heads, K heads, V heads."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+
+    @property
+    def gate_up_rows(self) -> dict[str, tuple[int, int]]:
+        """Rows of gate and up in a fused projection's `(out, in)` weight: gate, then up."""
+        return {"gate": (0, self.intermediate), "up": (self.intermediate, 2 * self.intermediate)}
 
     @property
     def qkv_params(self) -> int:
@@ -119,12 +179,14 @@ def layout_of(config) -> AttentionLayout:
             f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}; "
             f"and the text decoder of: {', '.join(sorted(TEXT_PARTS))}"
         )
-    layers_path, (q, k, v, o) = FAMILIES[model_type]
+    layers_path, (q, k, v, o), (gate, up, down) = FAMILIES[model_type]
     hidden = config.hidden_size if hasattr(config, "hidden_size") else config.n_embd
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return AttentionLayout(model_type, layers_path, hidden, heads, kv_heads, head_dim, q, k, v, o)
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    return AttentionLayout(model_type, layers_path, hidden, heads, kv_heads, head_dim, q, k, v, o,
+                           intermediate, gate, up, down)
 
 
 def layer_types(config, count: int) -> tuple[str, ...]:
@@ -139,17 +201,21 @@ def decoder_layers(model: nn.Module, layout: AttentionLayout) -> nn.ModuleList:
     return model.get_submodule(layout.layers_path)
 
 
-def projection_weights(layer: nn.Module, layout: AttentionLayout) -> tuple[dict, dict]:
-    """`(out, in)` weight and bias of each projection (keyed q/k/v/o); a fused Q/K/V module is
-    split into its row blocks, so the methods see the same three matrices in every family."""
+def projection_weights(layer: nn.Module, layout: AttentionLayout, names: dict[str, str] | None = None
+                       ) -> tuple[dict, dict]:
+    """`(out, in)` weight and bias of each projection of `names` (default: attention's, keyed
+    q/k/v/o); a fused Q/K/V or gate/up module is split into its row blocks, so the methods see the
+    same matrices in every family."""
     weights, biases = {}, {}
-    for proj, name in layout.projections.items():
+    fused = {layout.fused_qkv: layout.qkv_rows, layout.fused_gate_up: layout.gate_up_rows}
+    for proj, name in (layout.projections if names is None else names).items():
         module = get_module(layer, name)
         weights[proj], biases[proj] = module.weight, module.bias
-        if proj != "o" and name == layout.fused_qkv:
-            if module.bias is not None:  # Phi-3's has none; a bias would need its own split and export
-                raise UnsupportedModel(f"{name} is a fused Q/K/V projection with a bias; not supported")
-            start, stop = layout.qkv_rows[proj]
+        rows = fused.get(name) if name else None
+        if rows is not None and proj in rows:
+            if module.bias is not None:  # Phi-3's have none; a bias would need its own split and export
+                raise UnsupportedModel(f"{name} is a fused projection with a bias; not supported")
+            start, stop = rows[proj]
             weights[proj] = module.weight[start:stop]
     return weights, biases
 

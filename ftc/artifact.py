@@ -229,7 +229,9 @@ def compressed_config(config, entries: list[dict]) -> dict:
         "base_model_type": layout.model_type,
         "base_architectures": base.get("architectures") or [model_name[len("Ftc"):]],
         "layers_path": layout.layers_path,
-        "projections": layout.projections,
+        # the MLP's names too where its projections were compressed (scope `model`, §17)
+        "projections": layout.all_projections if any(set(g["proj"]) & {"gate", "up", "down"} for e in entries
+                                                     for g in e["groups"]) else layout.projections,
         "head_dim": layout.head_dim,
         "layers": [{"index": e["index"], "groups": [{k: g[k] for k in GROUP_SPEC_KEYS if k in g}
                                                     for g in e["groups"]]} for e in entries],

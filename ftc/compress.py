@@ -29,13 +29,15 @@ from .options import (
     BATCH_SIZE,
     DTYPES,
     METHODS,
+    SCOPES,
     InputError,
     method_ratio_problem,
     parse_ablations,
+    scope_problem,
     validate_ratio,
 )
 from .pipeline import compress_layers, layer_inputs, planned, survey_layers
-from .sensitivity import cache_folder, search_budgets, whole_model
+from .sensitivity import PlanStore, cache_folder, search_budgets, streamed_budgets, whole_model
 from .weights import (
     ModuleSource,
     materialize_embedding_rows,
@@ -60,6 +62,7 @@ class CompressOptions:
     ablate: tuple[str, ...] = field(default_factory=tuple)
     batch_size: int = BATCH_SIZE
     allocation: str = "uniform"
+    scope: str = "attention"
 
     def validate(self) -> CompressOptions:
         """Check every field before any work starts; messages name the flag and the fix."""
@@ -68,6 +71,10 @@ class CompressOptions:
             raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if self.allocation not in ALLOCATIONS:
             raise InputError(f"unknown allocation {self.allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+        if self.scope not in SCOPES:
+            raise InputError(f"unknown scope {self.scope!r}; choose from {', '.join(SCOPES)}")
+        if problem := scope_problem(self.method, self.allocation, self.ablate, self.scope):
+            raise InputError(problem)
         if problem := method_ratio_problem(self.method, self.ratio, self.allocation):
             raise InputError(problem.replace("ratio", "--ratio", 1).replace("allocation", "--allocation", 1))
         self.ablate = parse_ablations(list(self.ablate))
@@ -128,12 +135,14 @@ def compress(
     overwrite: bool = False,
     progress: bool = True,
     on_layer=None,
+    plan_store: PlanStore | None = None,
 ) -> dict:
     """Compress `options.model` and write the artifact to `out_dir`; returns the manifest.
 
     `work_dir` keeps per-layer checkpoints: re-running the same job with the same `work_dir`
     resumes at the first unfinished layer. Without it a temporary folder is used and removed.
-    `loaded = (model, tokenizer, source)` takes weights from a model already in memory.
+    `loaded = (model, tokenizer, source)` takes weights from a model already in memory. `plan_store`
+    shares the layer lists of `--allocation sensitivity` beyond this machine (a service's object store).
     """
     options.validate()
     t0 = time.perf_counter()
@@ -142,12 +151,12 @@ def compress(
     weights, tokenizer, source = open_model(options, loaded)
     layout = layout_of(weights.config)
     dtype = storage_dtype(options.dtype)
-    method = make_method(options.method, options.ratio, dtype, options.ablate, options.allocation)
+    method = make_method(options.method, options.ratio, dtype, options.ablate, options.allocation, options.scope)
     calib = calibration_batch(tokenizer, options, layout.hidden) if method.needs_data else None
     if loaded is None:
         tokenizer = None  # tens of MB held through every layer otherwise; the artifact reloads it
     if method.plans:
-        method = plan_budgets(method, weights, layout, calib, options, device, progress,
+        method = plan_budgets(method, weights, layout, calib, options, device, progress, plan_store=plan_store,
                               resident=None if loaded is None else loaded[0])
     temporary = work_dir is None
     # the method's fixed choices (sink and key weights, anchor...) too: layers written by a version
@@ -172,14 +181,17 @@ def compress(
 
 def plan_budgets(method: Method, weights, layout: AttentionLayout, calib: torch.Tensor,
                  options: CompressOptions, device: torch.device, progress: bool,
-                 resident: torch.nn.Module | None = None) -> Method:
-    """The statistics pass of a model-wide budget (§13), one original layer resident at a time;
-    the sensitivity lists of `asvd`'s rank search (§11) and of `--allocation sensitivity` (§15) need
-    the whole model instead (`resident`, when it is in memory already) and are kept in the cache
-    folder (`ftc.sensitivity.cache_folder`).
+                 resident: torch.nn.Module | None = None, plan_store: PlanStore | None = None) -> Method:
+    """The statistics pass of a model-wide budget (§13) and the layer list of `--allocation
+    sensitivity` (§15), one original layer resident at a time (the list kept in `plan_store` or the
+    cache folder, `ftc.sensitivity.cache_folder`); `asvd`'s rank search (§11) needs the whole model
+    instead (`resident`, when it is in memory already), its list kept in the cache folder.
 
     Deterministic for the same model and calibration, so a resumed run plans the same budgets.
     """
+    if method.layer_sensitivity and method.allocation == "sensitivity":
+        return streamed_budgets(method, weights, layout, calib, device=device, batch_size=options.batch_size,
+                                progress=progress, cache=cache_folder(), store=plan_store)
     if method.whole_model_plan:
         return search_budgets(method, whole_model(weights, device, resident), layout, calib,
                               batch_size=options.batch_size, progress=progress, cache=cache_folder())
@@ -213,6 +225,7 @@ class LayerRun:
     resumed_from_layer: int
     seconds: float
     dense_params: int
+    source_bytes: int
 
 
 def compress_to_store(store: LayerStore, weights, layout: AttentionLayout, method: Method,
@@ -223,7 +236,7 @@ def compress_to_store(store: LayerStore, weights, layout: AttentionLayout, metho
     config = weights.config
     dtype = method.storage_dtype
     model = skeleton(config)
-    dense_params = _parameter_count(model)
+    dense_params = _parameter_count(model, config)
     start = store.finished()
     stream = None
     if method.needs_data:
@@ -245,7 +258,7 @@ def compress_to_store(store: LayerStore, weights, layout: AttentionLayout, metho
     for name in extra_names(weights.names(), layout, config):
         tensor = weights.get(name)
         store.save_extra(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
-    return LayerRun(start, result.seconds, dense_params)
+    return LayerRun(start, result.seconds, dense_params, weights.nbytes)
 
 
 def build_manifest(options: CompressOptions, method: Method, source, layout: AttentionLayout,
@@ -273,7 +286,7 @@ def build_manifest(options: CompressOptions, method: Method, source, layout: Att
             "samples": options.calib_samples,
             "seq_len": options.seq_len, "tokens": calib.numel(), "seed": options.seed,
             "sha256": ids_sha256(calib)},
-        "storage": storage_summary(layout, entries, options.ratio, method.storage_dtype, run.dense_params),
+        "storage": storage_summary(layout, entries, method, run.dense_params, run.source_bytes),
         "resumed_from_layer": run.resumed_from_layer,
         "compress_seconds": round(run.seconds, 3),
         "device": str(device),
@@ -281,32 +294,65 @@ def build_manifest(options: CompressOptions, method: Method, source, layout: Att
     }
 
 
-def storage_summary(layout: AttentionLayout, entries: list[dict], ratio: float, dtype: torch.dtype,
-                    dense_params: int) -> dict:
-    """Budget and usage in stored values (§1), and the whole-model reduction it implies."""
-    groups = [g for entry in entries for g in entry["groups"]]
-    qkv_used = sum(g["values"] for g in groups if g["proj"] != ["o"])
-    o_used = sum(g["values"] for g in groups if g["proj"] == ["o"])
-    n_layers = len(entries)
-    original_attention = n_layers * (layout.qkv_params + layout.o_params)
+PARTS = {"qkv": ("q", "k", "v"), "o": ("o",), "gateup": ("gate", "up"), "down": ("down",)}
+"""The budgeted parts of a decoder layer (§1, §17) and the projections each holds."""
+
+
+def part_of(projections: list[str]) -> str:
+    """The part a stored group belongs to, by the projections it holds."""
+    return next(part for part, members in PARTS.items() if set(projections) <= set(members))
+
+
+def storage_summary(layout: AttentionLayout, entries: list[dict], method: Method, dense_params: int,
+                    source_bytes: int) -> dict:
+    """Budget and usage in stored values (§1), per part, and the reductions they imply, each named for
+    what it counts: the decoder's linear projections (the ratio the papers quote: q, k, v, o, gate, up,
+    down of every layer), the whole checkpoint (embeddings and norms too, a tied head once), and the
+    bytes of the artifact's weights against those of the source checkpoint."""
+    layers = len(entries)
+    used = dict.fromkeys(PARTS, 0)
+    for entry in entries:
+        for group in entry["groups"]:
+            used[part_of(group["proj"])] += group["values"]
+    budget = {part: sum(entry["budget_values"].get(part, 0) for entry in entries) for part in PARTS}
+    original = {part: layers * size for part, size in layout.part_params("model").items()}
+    compressed = set(layout.part_params(method.scope))
+    linear_dense = sum(original.values())
+    linear_kept = sum(used[p] if p in compressed else original[p] for p in PARTS)
+    removed = sum(original[p] - used[p] for p in compressed)
     return {
-        "value_bytes": torch.finfo(dtype).bits // 8,
-        "qkv_budget_values": sum(entry["budget_values"]["qkv"] for entry in entries),
-        "qkv_values_used": qkv_used,
-        "o_budget_values": sum(entry["budget_values"]["o"] for entry in entries),
-        "attention_budget_values": int(ratio * n_layers * (layout.qkv_params + layout.o_params)),
-        "o_values_used": o_used,
-        "attention_bytes_written": sum(g["bytes"] for g in groups),
-        "original_attention_params": original_attention,
-        "attention_share": original_attention / dense_params,
+        "scope": method.scope,
+        "value_bytes": torch.finfo(method.storage_dtype).bits // 8,
+        "parts": {part: {"original_params": original[part], "budget_values": budget[part] if part in compressed
+                         else None, "values_used": used[part] if part in compressed else None}
+                  for part in PARTS},
+        "qkv_budget_values": budget["qkv"],
+        "qkv_values_used": used["qkv"],
+        "o_budget_values": budget["o"],
+        "o_values_used": used["o"],
+        "attention_budget_values": budget["qkv"] + budget["o"],
+        "attention_bytes_written": sum(g["bytes"] for e in entries for g in e["groups"]
+                                       if part_of(g["proj"]) in ("qkv", "o")),
+        "original_attention_params": original["qkv"] + original["o"],
+        "attention_share": (original["qkv"] + original["o"]) / dense_params,
+        "linear_params_dense": linear_dense,
+        "linear_params_kept": linear_kept,
+        "linear_reduction": 1 - linear_kept / linear_dense,
         "model_params_dense": dense_params,
-        "model_reduction": (original_attention - qkv_used - o_used) / dense_params,
+        "model_params_kept": dense_params - removed,
+        "model_reduction": removed / dense_params,
+        "source_bytes": source_bytes,
     }
 
 
-def _parameter_count(model) -> int:
-    """Parameters of the uncompressed model, tied weights counted once (works on meta tensors)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def _parameter_count(model, config) -> int:
+    """Parameters of the uncompressed model, a tied output head counted once (works on meta tensors,
+    where the skeleton's head is not tied to the embedding yet)."""
+    count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and head is not None and head.weight is not embedding.weight:
+        count -= head.weight.numel()
+    return count
 
 
 def plan(options: CompressOptions) -> dict:
@@ -323,13 +369,27 @@ def plan(options: CompressOptions) -> dict:
     stream_bytes = tokens * layout.hidden * 4
     workspace = 8 * layout.hidden**2 * 3 + 4 * layout.qkv_params * 4  # Grams (float64) + tensor copies
     # asvd's rank search and --allocation sensitivity plan on the whole model, resident in float32
-    whole = 4 * _parameter_count(model) if make_method(options.method, options.ratio, storage_dtype(options.dtype),
-                                                       options.ablate, options.allocation).whole_model_plan else 0
+    method = make_method(options.method, options.ratio, storage_dtype(options.dtype), options.ablate,
+                         options.allocation, options.scope)
+    whole = 4 * _parameter_count(model, config) if method.whole_model_plan else 0
+    if options.scope == "model":  # the MLP's Grams: W_down's input is `intermediate` wide
+        workspace += 8 * layout.intermediate**2 * 3 + 4 * layout.mlp_in_params * 4
+    parts = layout.part_params("model")
+    compressed = layout.part_params(options.scope)
+    budgets = method.budget_values(layout)
+    linear_kept = sum(budgets[p] if p in compressed else parts[p] for p in parts)
     return {
         "model": source.describe(), "model_type": layout.model_type, "text_part_of": weights.text_part_of,
         "layers": n_layers,
         "layer_types": dict(Counter(layer_types(config, n_layers))), "projections": layout.projections,
-        "fused_qkv": layout.fused_qkv,
+        "mlp_projections": layout.mlp_projections, "fused_qkv": layout.fused_qkv,
+        "fused_gate_up": layout.fused_gate_up, "intermediate": layout.intermediate,
+        "scope": options.scope,
+        "parts_per_layer": {part: {"params": size, "budget_values": budgets[part] if part in compressed else None}
+                            for part, size in parts.items()},
+        "linear_params_dense": n_layers * sum(parts.values()),
+        "linear_reduction": 1 - linear_kept / sum(parts.values()),
+        "model_params_dense": _parameter_count(model, config),
         "hidden": layout.hidden, "heads": layout.heads, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
         "slices": layout.slices,
         "qkv_shape": [layout.hidden, layout.head_dim, layout.slices],

@@ -83,13 +83,24 @@ def _plan(block: dict, f, dtype: torch.dtype) -> list[_Tensor]:
         for spec in entry["groups"]:
             inputs = spec["shapes"]["U1" if spec["kind"] == "tucker" else "A"][0]
             heads = spec.get("heads", [])
+            width = slice_width(spec)
             for i, proj in enumerate(spec["proj"]):
-                shapes[proj] = (heads[i] * block["head_dim"] if heads else spec["shapes"]["B"][1], inputs)
+                shapes[proj] = (heads[i] * width if heads else spec["shapes"]["B"][1], inputs)
         for module, projs in modules_of(names, shapes).items():
             name = f"{layers_path}.{entry['index']}.{module}.weight"
             shape = (sum(shapes[p][0] for p in projs), shapes[projs[0]][1])
             plan[name] = _Tensor(name, shape, dtype, layer=entry["index"], projs=tuple(projs))
     return [plan[name] for name in sorted(plan)]
+
+
+def slice_width(spec: dict) -> int | None:
+    """The output width of one slice of a sliced group, read from its own shapes (a head for Q/K/V,
+    the intermediate size for gate/up): `U2`'s rows, the core's last mode where `U2` is the identity
+    (§17), CP's `B` rows; None for a low-rank group."""
+    shapes = spec["shapes"]
+    if spec["kind"] == "tucker":
+        return shapes["U2"][0] if "U2" in shapes else spec["shape"][2]
+    return shapes["B"][0] if spec["kind"] == "cp" else None
 
 
 def _shards(plan: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:

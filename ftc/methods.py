@@ -52,6 +52,8 @@ from .options import (
     ASVD_UNLISTED_RATIO,
     LAYER_RATIO_CANDIDATES,
     METHODS,
+    PLAN_REFERENCE_RATIO,
+    SCOPES,
 )
 from .stored import cp_tensors, lowrank_tensors, tucker_tensors
 from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, compress_tensor, head_concat, head_slices
@@ -82,6 +84,12 @@ and the value slices weighted 3 as well 43.57, weighted 0.5 42.13. 1 under `no_k
 
 ANCHOR = 0.5
 """Weight of the original `W_O` in FTC's calibrated `W_O` target (§8); 0 under `no_anchor`."""
+
+MLP_PRUNE_STEPS = 1
+"""Steps of §7's pruning schedule for the gate/up tensor (§17) **[choice]**: one (the top-K core of
+the allocation, then `REFITS` refits). Its core is 20-30 times Q/K/V's on SmolLM2 (`2 x 445 x 1536`
+at keep 0.6), so each step costs a refit of that size; eight steps lower the gate/up error by a
+further 10% relative on layers 3 and 27 at keep 0.6, at seven times the time."""
 
 
 @dataclass
@@ -117,9 +125,12 @@ class Method:
     """`uniform`: every layer spends `keep_ratio` (the paper); `global`: a model-wide plan (§13);
     `sensitivity`: layer budgets from the divergence each layer causes compressed alone (§15)."""
     budgets: tuple[dict, ...] | None = None
-    """Per-layer stored-value budgets by part ("qkv", "o", or "q"/"k"/"v"), from `plan`."""
+    """Per-layer stored-value budgets by part ("qkv", "o", "gateup", "down", or per matrix "q", "k",
+    "v", "gate", "up"), from `plan`."""
     layer_budget: dict | None = None
     """The entry of `budgets` for the layer being compressed (set by `at_layer`)."""
+    scope: str = "attention"
+    """`attention`: Q/K/V and `W_O` only; `model`: the MLP projections too, at the same ratio (§17)."""
     name: ClassVar[str] = ""  # set by @register
     stream = "student"  # which hidden-state stream feeds the statistics (§3)
     needs_data = True
@@ -136,11 +147,40 @@ class Method:
         place compression and a model-wide plan's survey both take it from, so the two measure alike."""
         return Moments(dim, device, self.needs_abs_mean, self.first_weight)
 
-    def qkv(self, weights: dict[str, torch.Tensor], x: Moments | None, layout: AttentionLayout):
+    def factor(self, w: torch.Tensor, stats: Moments | None, rank: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """One matrix's factors `(A, B, report)` at `rank`, from the statistics of its input: the whole
+        of a per-matrix method (§11), which applies it to each of the seven projections alike."""
         raise NotImplementedError
 
+    def _matrices(self, weights: dict[str, torch.Tensor], stats: Moments | None) -> tuple[list[Group], dict]:
+        """`factor` applied to each matrix within its budget: groups and `{"ranks", "eps"}`."""
+        groups, report = [], {"ranks": {}}
+        for proj, w in weights.items():
+            rank = self.rank(proj, *w.shape)
+            a, b, info = self.factor(w, stats, rank)
+            groups.append(self._lowrank(proj, a, b))
+            report["ranks"][proj] = rank
+            if "eps" in info:
+                report.setdefault("eps", {})[proj] = info["eps"]
+        return groups, report
+
+    def qkv(self, weights: dict[str, torch.Tensor], x: Moments | None, layout: AttentionLayout):
+        """Q, K and V (`(in, out)` weights) from the statistics `x` of their input: groups and a report."""
+        return self._matrices(weights, x)
+
     def o(self, w_o: torch.Tensor, ctx: ContextStats | None, layout: AttentionLayout):
-        raise NotImplementedError
+        """`W_O` from the statistics of the attention context: one group and a report."""
+        (group,), report = self._matrices({"o": w_o}, None if ctx is None else ctx.teacher)
+        return group, {"r_o": report["ranks"]["o"], **({"eps_o": report["eps"]["o"]} if "eps" in report else {})}
+
+    def mlp_in(self, weights: dict[str, torch.Tensor], x: Moments | None, layout: AttentionLayout):
+        """Gate and up (or up alone) from the statistics `x` of the MLP input (§17)."""
+        return self._matrices(weights, x)
+
+    def mlp_out(self, w_down: torch.Tensor, ctx: ContextStats | None, layout: AttentionLayout):
+        """`W_down` from the statistics of its input, the MLP's intermediate activations (§17)."""
+        (group,), report = self._matrices({"down": w_down}, None if ctx is None else ctx.teacher)
+        return group, report
 
     def choices(self) -> dict:
         """The fixed constants this method ran with, for the manifest (none for the base class)."""
@@ -159,10 +199,12 @@ class Method:
         return False
 
     def survey(self, weights: dict[str, torch.Tensor], x: Moments, ctx: ContextStats, residual: float,
-               layout: AttentionLayout) -> dict:
+               layout: AttentionLayout, mlp: tuple[Moments, ContextStats] | None = None) -> dict:
         """Error-versus-budget data of one original layer on the original model's stream (§13).
 
-        `residual` is the mean squared norm of the layer's input hidden state per token.
+        `residual` is the mean squared norm of the layer's input hidden state per token; with scope
+        `model`, `mlp` holds the statistics of the MLP input and of `W_down`'s input, and `weights`
+        the MLP's projections too.
         """
         raise NotImplementedError
 
@@ -183,16 +225,28 @@ class Method:
         return int(self.keep_ratio * full)
 
     def budget_values(self, layout: AttentionLayout) -> dict[str, int]:
-        """Stored values this layer may spend on its Q/K/V and on `W_O` (§1), as the plan gave them:
-        the manifest's budgets are these, summed over layers. A method that compresses Q, K and V
-        one matrix at a time (`per_matrix_qkv`) has one budget per matrix; their sum is shown."""
+        """Stored values this layer may spend on each part (§1, §17), as the plan gave them: the
+        manifest's budgets are these, summed over layers. A method that compresses Q, K and V (gate
+        and up) one matrix at a time (`per_matrix_qkv`, `per_matrix_mlp`) has one budget per matrix;
+        their sum is shown."""
         if self.per_matrix_qkv:
             sizes = layout.hidden * layout.head_dim
             qkv = sum(self.values(p, sizes * heads) for p, heads in
                       (("q", layout.heads), ("k", layout.kv_heads), ("v", layout.kv_heads)))
         else:
             qkv = self.values("qkv", layout.qkv_params)
-        return {"qkv": qkv, "o": self.values("o", layout.o_params)}
+        budgets = {"qkv": qkv, "o": self.values("o", layout.o_params)}
+        if self.scope == "model":
+            size = layout.hidden * layout.intermediate
+            budgets["gateup"] = (sum(self.values(p, size) for p in layout.mlp_in) if self.per_matrix_mlp
+                                 else self.values("gateup", layout.mlp_in_params))
+            budgets["down"] = self.values("down", layout.down_params)
+        return budgets
+
+    @property
+    def per_matrix_mlp(self) -> bool:
+        """Whether gate and up are compressed one matrix at a time, each with its own budget."""
+        return self.per_matrix_qkv
 
     def rank(self, part: str, rows: int, cols: int) -> int:
         """Rank of a two-factor `rows x cols` matrix within this layer's budget for `part`."""
@@ -203,12 +257,6 @@ class Method:
             a, b, self.storage_dtype
         )
 
-    def _per_matrix(self, weights: dict[str, torch.Tensor], factor) -> tuple[list[Group], dict]:
-        groups = []
-        for proj, w in weights.items():
-            a, b = factor(w, self.rank(proj, *w.shape))
-            groups.append(self._lowrank(proj, a, b))
-        return groups, {"ranks": {g[0]["proj"][0]: g[0]["rank"] for g in groups}}
 
 
 M = TypeVar("M", bound=type[Method])
@@ -248,12 +296,8 @@ class SVD(Method):
     stream = "teacher"
     needs_data = False
 
-    def qkv(self, weights, x, layout):
-        return self._per_matrix(weights, truncated_svd)
-
-    def o(self, w_o, ctx, layout):
-        rank = self.rank("o", *w_o.shape)
-        return self._lowrank("o", *truncated_svd(w_o, rank)), {"r_o": rank}
+    def factor(self, w, stats, rank):
+        return *truncated_svd(w, rank), {}
 
 
 @register("asvd")
@@ -277,12 +321,8 @@ class ASVD(Method):
             "ratio_candidates": list(ASVD_RATIO_CANDIDATES), "unlisted_ratio": ASVD_UNLISTED_RATIO,
             "sensitivity_sequences": ASVD_SENSITIVITY_SEQUENCES, "sensitivity": "calibration perplexity"}}
 
-    def qkv(self, weights, x, layout):
-        return self._per_matrix(weights, lambda w, r: scaled_svd(w, x.abs_mean, r))
-
-    def o(self, w_o, ctx, layout):
-        rank = self.rank("o", *w_o.shape)
-        return self._lowrank("o", *scaled_svd(w_o, ctx.teacher.abs_mean, rank)), {"r_o": rank}
+    def factor(self, w, stats, rank):
+        return *scaled_svd(w, stats.abs_mean, rank), {}
 
 
 @register("svd_llm")
@@ -294,18 +334,9 @@ class SVDLLM(Method):
     def choices(self) -> dict:
         return whitening_choices()
 
-    def qkv(self, weights, x, layout):
-        groups, eps = [], {}
-        for proj, w in weights.items():
-            (a, b), whitening = guarded_whitened_svd(w, x.gram, self.rank(proj, *w.shape))
-            groups.append(self._lowrank(proj, a, b))
-            eps[proj] = whitening.eps
-        return groups, {"ranks": {g[0]["proj"][0]: g[0]["rank"] for g in groups}, "eps": eps}
-
-    def o(self, w_o, ctx, layout):
-        rank = self.rank("o", *w_o.shape)
-        factors, whitening = guarded_whitened_svd(w_o, ctx.teacher.gram, rank)
-        return self._lowrank("o", *factors), {"r_o": rank, "eps_o": whitening.eps}
+    def factor(self, w, stats, rank):
+        (a, b), whitening = guarded_whitened_svd(w, stats.gram, rank)
+        return a, b, {"eps": whitening.eps}
 
 
 @register("svd_llm_v2")
@@ -323,10 +354,13 @@ class SVDLLMV2(Method):
     def plans(self) -> bool:
         return True
 
-    def survey(self, weights, x, ctx, residual, layout):
+    def survey(self, weights, x, ctx, residual, layout, mlp=None):
+        inputs = {"q": x, "k": x, "v": x, "o": ctx.teacher}
+        if mlp is not None:
+            inputs.update(gate=mlp[0], up=mlp[0], down=mlp[1].teacher)
         losses = {}
         for proj, w in weights.items():
-            stats = ctx.teacher if proj == "o" else x
+            stats = inputs[proj]
             values, vectors = torch.linalg.eigh(stats.gram)
             white = values.clamp_min(0).sqrt()[:, None] * (vectors.T @ w.to(WORK_DTYPE))
             spectrum = torch.linalg.svdvals(white)
@@ -335,21 +369,22 @@ class SVDLLMV2(Method):
         return {"loss": losses}
 
     def plan(self, surveys, layout):
+        """Within each matrix type (every layer's `W_Q`, ... and with scope `model` every `W_gate`,
+        `W_up`, `W_down`), the ratio spread by the truncation losses (`heterogeneous_ratios`)."""
         budgets: list[dict] = [{} for _ in surveys]
-        shapes = {"q": layout.hidden * layout.heads, "k": layout.hidden * layout.kv_heads,
-                  "v": layout.hidden * layout.kv_heads, "o": layout.heads * layout.hidden}
-        for proj, size in shapes.items():
+        sizes = {"q": layout.hidden * layout.heads * layout.head_dim,
+                 "k": layout.hidden * layout.kv_heads * layout.head_dim,
+                 "v": layout.hidden * layout.kv_heads * layout.head_dim, "o": layout.o_params}
+        if self.scope == "model":
+            sizes.update({p: layout.hidden * layout.intermediate for p in layout.mlp_projections})
+        for proj, size in sizes.items():
             losses = torch.tensor([s["loss"][proj] for s in surveys])
             for budget, keep in zip(budgets, heterogeneous_ratios(losses, self.keep_ratio), strict=True):
-                budget[proj] = int(keep * size * layout.head_dim)
+                budget[proj] = int(keep * size)
         return budgets
 
-    def qkv(self, weights, x, layout):
-        return self._per_matrix(weights, lambda w, r: eig_whitened_svd(w, x.gram, r))
-
-    def o(self, w_o, ctx, layout):
-        rank = self.rank("o", *w_o.shape)
-        return self._lowrank("o", *eig_whitened_svd(w_o, ctx.teacher.gram, rank)), {"r_o": rank}
+    def factor(self, w, stats, rank):
+        return *eig_whitened_svd(w, stats.gram, rank), {}
 
 
 @register("ftc")
@@ -386,7 +421,8 @@ class FTC(Method):
 
     def choices(self) -> dict:
         grid = f"{GRID_POINTS} x {GRID_POINTS // 2} coarse, step-halving refinement"
-        return {**whitening_choices(), "prune_steps": PRUNE_STEPS, "refits": REFITS, "anchor": self.anchor,
+        mlp = {"mlp_prune_steps": MLP_PRUNE_STEPS} if self.scope == "model" else {}
+        return {**whitening_choices(), "prune_steps": PRUNE_STEPS, **mlp, "refits": REFITS, "anchor": self.anchor,
                 "sink_weight": self.first_weight,
                 "key_weight": self.key_weight,
                 "allocation_grid": "fixed ranks (ablation)" if "fixed_ranks" in self.ablations else grid,
@@ -398,7 +434,9 @@ class FTC(Method):
             return {}
         return {"layer_sensitivity": {"ratio_candidates": list(LAYER_RATIO_CANDIDATES),
                                       "sequences": ASVD_SENSITIVITY_SEQUENCES,
-                                      "loss": "KL divergence from the original model per token"}}
+                                      "reference_ratio": PLAN_REFERENCE_RATIO,
+                                      "loss": "KL divergence from the original model per token, measured at the "
+                                              "reference ratio, along each part's predicted error curve"}}
 
     def slice_weights(self, layout: AttentionLayout, repeat: int) -> torch.Tensor | None:
         """The weight of every slice of the head-concat tensor (`KEY_WEIGHT`): `(Hq / Hkv) ** p` for a
@@ -412,18 +450,19 @@ class FTC(Method):
         return weights
 
     def _tucker_fit(self, tensor: torch.Tensor, x: Moments, budget: int, weights: torch.Tensor | None = None,
-                    steps: int | None = None, refits: int | None = None):
+                    steps: int | None = None, refits: int | None = None, mode2: bool = True):
         """`compress_tensor` under the outcome guard of §3: `((factors, report), whitening, error)`, the
         error being the objective of §3-§4 (slice balancing and weights) in the undamped activation
         metric, the one the guard compares. The reference is the unwhitened allocation (HOSVD +
         top-K core, no pruning schedule)."""
         gram = None if "no_whiten" in self.ablations else x.gram
-        balance, coupled = "no_slice_norm" not in self.ablations, "fixed_ranks" not in self.ablations
+        balance = "no_slice_norm" not in self.ablations
+        coupled = "fixed_ranks" not in self.ablations or not mode2  # a Q/K/V ablation
         steps, refits = PRUNE_STEPS if steps is None else steps, REFITS if refits is None else refits
 
         def fit(whitening: Whitening, steps: int = steps, refits: int = refits):
             return compress_tensor(tensor, whitening, budget, balance=balance, coupled=coupled, steps=steps,
-                                   refits=refits, weights=weights)
+                                   refits=refits, weights=weights, mode2=mode2)
 
         measure = ActivationError(tensor, gram, balance, weights)
 
@@ -434,8 +473,8 @@ class FTC(Method):
         return result, whitening, error(result)
 
     def _tucker(self, tensor: torch.Tensor, x: Moments, proj: list[str], heads: list[int], budget: int,
-                weights: torch.Tensor | None = None):
-        (factors, report), _, measured = self._tucker_fit(tensor, x, budget, weights)
+                weights: torch.Tensor | None = None, mode2: bool = True, steps: int | None = None):
+        (factors, report), _, measured = self._tucker_fit(tensor, x, budget, weights, steps=steps, mode2=mode2)
         spec = {"kind": "tucker", "proj": proj, "heads": heads, "shape": list(factors.core.shape)}
         if factors.mask is not None:
             spec["kept"] = int(factors.mask.sum())
@@ -465,6 +504,16 @@ class FTC(Method):
         }
 
     def o(self, w_o, ctx, layout):
+        group, report = self._calibrated("o", w_o, ctx)
+        return group, {"r_o": report["rank"], "eps_o": report["eps"], "eps_o_solve": report["eps_solve"],
+                       "anchor": report["anchor"]}
+
+    def mlp_out(self, w_down, ctx, layout):
+        """`W_down` as `W_O` (§17): calibrated toward the original MLP output on the compressed model's
+        stream, truncated in the metric of the compressed gate/up's intermediate activations."""
+        return self._calibrated("down", w_down, ctx)
+
+    def _calibrated(self, part: str, w_o: torch.Tensor, ctx: ContextStats) -> tuple[Group, dict]:
         """Calibrated target `W*` (§8), truncated in the anchored objective's own metric.
 
         `||A_s W - A_t W_O||^2 + a ||A_t W - A_t W_O||^2` equals `n ||R^T (W - W*)||^2` plus a
@@ -479,7 +528,7 @@ class FTC(Method):
         and the truncation three, not the eight and seven of building every term beside the
         Grams (the 7B-shaped peak, benchmarks/results/memory.md).
         """
-        rank = self.rank("o", *w_o.shape)
+        rank = self.rank(part, *w_o.shape)
         anchor = self.anchor
         teacher, student, cross = ctx.take()
         target, eps_solve = w_o, None
@@ -496,18 +545,42 @@ class FTC(Method):
             target, eps_solve = calibrated_wo(lhs, rhs, w_o)
             del lhs, rhs, w_o  # the pipeline hands W_O over: its float32 copy (64 MB at 4096) goes here
         (a, b), whitening = guarded_whitened_svd(target, None if "no_whiten" in self.ablations else metric, rank)
-        return self._lowrank("o", a, b), {"r_o": rank, "eps_o": whitening.eps, "eps_o_solve": eps_solve,
-                                          "anchor": anchor}
+        return self._lowrank(part, a, b), {"rank": rank, "eps": whitening.eps, "eps_solve": eps_solve,
+                                           "anchor": anchor}
+
+    @property
+    def per_matrix_mlp(self) -> bool:
+        return "mlp_per_matrix" in self.ablations
+
+    def factor(self, w, stats, rank):
+        """One matrix in FTC's metric (`mlp_per_matrix`, `per_matrix`): the whitened truncated SVD
+        under the guard of §3."""
+        (a, b), whitening = guarded_whitened_svd(w, None if "no_whiten" in self.ablations else stats.gram, rank)
+        return a, b, {"eps": whitening.eps}
+
+    def mlp_in(self, weights, x, layout):
+        """Gate and up as one tensor (§17): slices gate and up (`(2, d, I)`; GPT-J's `fc_in` alone,
+        one slice), one shared input factor and a budget-coupled sparse core, pruned and refitted as
+        Q/K/V's (§5-§7), in the whitened metric of the compressed model's MLP input. The second mode
+        (the intermediate neurons) keeps no factor: gate and up share no output subspace
+        (`mlp_mode2` adds the shared `U2` of Q/K/V's Tucker; `mlp_per_matrix`: each matrix alone)."""
+        if self.per_matrix_mlp:
+            return self._matrices(weights, x)
+        tensor = torch.stack([weights[p] for p in layout.mlp_in])
+        budget = self.values("gateup", layout.mlp_in_params)
+        (spec, tensors), report, measured = self._tucker(tensor, x, list(layout.mlp_in), [1] * tensor.shape[0],
+                                                         budget, mode2="mlp_mode2" in self.ablations,
+                                                         steps=MLP_PRUNE_STEPS)
+        return [(spec, tensors)], {"r1": report.r1, "r2": report.r2, "K": report.kept, "eps": report.eps,
+                                   "error_allocated": report.error_allocated, "error_refit": report.error_refit,
+                                   "error_activation": measured, "budget": budget}
 
     @property
     def plans(self) -> bool:
         return self.allocation != "uniform"
 
-    @property
-    def whole_model_plan(self) -> bool:
-        return self.allocation == "sensitivity"
 
-    def survey(self, weights, x, ctx, residual, layout):
+    def survey(self, weights, x, ctx, residual, layout, mlp=None):
         """Q/K/V curve from the allocator's prediction, W_O curve from its whitened spectrum (§13).
 
         Both errors are relative to their own part; `effect` (attention branch energy over residual
@@ -548,6 +621,10 @@ class PerMatrix(FTC):
 
     per_matrix_qkv = True
 
+    @property
+    def per_matrix_mlp(self) -> bool:
+        return True
+
     def qkv(self, weights, x, layout):
         groups, reports = [], {}
         for proj, heads in (("q", layout.heads), ("k", layout.kv_heads), ("v", layout.kv_heads)):
@@ -583,7 +660,22 @@ class CP(FTC):
     def qkv(self, weights, x, layout):
         tensor, _ = self.qkv_tensor(weights, layout)
         budget = self.values("qkv", layout.qkv_params)
-        slice_weights = self.slice_weights(layout, 1)
+        heads = [layout.heads, layout.kv_heads, layout.kv_heads]
+        group, report = self._cp(tensor, x, budget, self.slice_weights(layout, 1), ["q", "k", "v"], heads)
+        return [group], {**report, "qkv_budget": budget}
+
+    def mlp_in(self, weights, x, layout):
+        """Gate and up as one CP tensor (FTC's §17 with CP's §14)."""
+        if self.per_matrix_mlp:
+            return self._matrices(weights, x)
+        tensor = torch.stack([weights[p] for p in layout.mlp_in])
+        budget = self.values("gateup", layout.mlp_in_params)
+        group, report = self._cp(tensor, x, budget, None, list(layout.mlp_in), [1] * tensor.shape[0])
+        return [group], {**report, "budget": budget}
+
+    def _cp(self, tensor: torch.Tensor, x: Moments, budget: int, slice_weights: torch.Tensor | None,
+            proj: list[str], heads: list[int]) -> tuple[Group, dict]:
+        """The guarded CP fit of one slice stack (`proj`, `heads` slices each): its group and report."""
         measure = ActivationError(tensor, x.gram, True, slice_weights)
 
         def fit(whitening: Whitening, sweeps: int = MAX_SWEEPS):
@@ -594,25 +686,20 @@ class CP(FTC):
 
         # the outcome guard of §3, which CP shares (§14); the reference is the unwhitened HOSVD start
         (factors, report), _ = guarded_fit(x.gram, fit, error, lambda: error(fit(Whitening(None, None), 0)))
-        spec = {"kind": "cp", "proj": ["q", "k", "v"], "heads": [layout.heads, layout.kv_heads, layout.kv_heads],
-                "rank": report.rank}
-        return [(spec, cp_tensors(factors, self.storage_dtype))], {
-            "R": report.rank,
-            "eps": report.eps,
-            "error_init": report.error_init,
-            "error_fit": report.error,
-            "sweeps": report.sweeps,
-            "extrapolated": report.extrapolated,
-            "qkv_budget": budget,
-        }
+        spec = {"kind": "cp", "proj": proj, "heads": heads, "rank": report.rank}
+        return (spec, cp_tensors(factors, self.storage_dtype)), {
+            "R": report.rank, "eps": report.eps, "error_init": report.error_init, "error_fit": report.error,
+            "sweeps": report.sweeps, "extrapolated": report.extrapolated}
 
 
 def make_method(
     name: str, keep_ratio: float, storage_dtype: torch.dtype, ablations: tuple[str, ...] = (),
-    allocation: str = "uniform",
+    allocation: str = "uniform", scope: str = "attention",
 ) -> Method:
     if ablations and name != "ftc":
         raise ValueError(f"ablations apply to method 'ftc' only; got method {name!r}")
     if allocation not in ALLOCATIONS or name not in ALLOCATION_METHODS.get(allocation, METHODS):
         raise ValueError(f"allocation {allocation!r} does not apply to method {name!r} (ALLOCATION_METHODS)")
-    return METHOD_CLASSES[name](keep_ratio, storage_dtype, frozenset(ablations), allocation)
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}")
+    return METHOD_CLASSES[name](keep_ratio, storage_dtype, frozenset(ablations), allocation, scope=scope)

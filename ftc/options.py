@@ -40,8 +40,12 @@ ABLATIONS: tuple[str, ...] = (
     "wo_student_metric",
     "no_sink",
     "no_key_weight",
+    "mlp_per_matrix",
+    "mlp_mode2",
 )
-"""One-at-a-time removals of FTC components (ftc-method.md §3-§8)."""
+"""One-at-a-time removals of FTC components (ftc-method.md §3-§8, §17)."""
+MLP_ABLATIONS: tuple[str, ...] = ("mlp_per_matrix", "mlp_mode2")
+"""Ablations of how the MLP is compressed: they need scope `model`."""
 
 ALLOCATION_METHODS: dict[str, tuple[str, ...]] = {"global": ("ftc",), "sensitivity": ("ftc", "cp")}
 """How `rho` is spread over layers, beyond `uniform` (the same in every layer, the paper, for every
@@ -49,6 +53,24 @@ method), and the methods each applies to: `global`, one model-wide budget split 
 error-versus-budget curves (ftc-method.md §13); `sensitivity`, layer budgets from the KL
 divergence each layer's attention causes when the method compresses it alone (§15)."""
 ALLOCATIONS: tuple[str, ...] = ("uniform", *ALLOCATION_METHODS)
+
+SCOPES: tuple[str, ...] = ("attention", "model")
+"""What `rho` is the keep ratio of: the attention projections of every decoder layer (Q, K, V, O; the
+paper's), or all seven linear projections (the MLP's gate, up and down too; the whole-model ratio
+the SVD papers quote as `1 - rho`). ftc-method.md §1, §17."""
+MODEL_SCOPE_ALLOCATIONS: tuple[str, ...] = ("uniform", "sensitivity")
+"""Allocations that plan a `model` scope: `global` surveys the attention only."""
+
+
+def scope_problem(method: str, allocation: str, ablations: tuple[str, ...] | list[str], scope: str) -> str | None:
+    """Why `scope` does not go with the other options, else None (checked where requests enter)."""
+    if scope == "model" and allocation not in MODEL_SCOPE_ALLOCATIONS:
+        return (f"allocation {allocation!r} plans the attention only; use "
+                f"{' or '.join(repr(a) for a in MODEL_SCOPE_ALLOCATIONS)} with scope 'model'")
+    if scope != "model" and (mlp := [a for a in ablations if a in MLP_ABLATIONS]):
+        return f"ablation {', '.join(mlp)} changes how the MLP is compressed: it needs scope 'model'"
+    return None
+
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 BATCH_SIZE = 4
@@ -84,6 +106,10 @@ ASVD_RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0
 share of the matrix's values its two factors keep. The smallest is a floor for `asvd`'s `rho`."""
 
 LAYER_RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.15, 0.2, 0.3, 0.4, 0.55, 0.7, 0.9)
+PLAN_REFERENCE_RATIO = 0.3
+"""The candidate at which `--allocation sensitivity` measures each unit's divergence (ftc-method.md
+§15) **[choice]**: the middle of the candidates on a log scale, where the predicted error and the
+divergence are both well above rounding; the rest of each curve is the predicted error, scaled."""
 """Keep ratios at which `--allocation sensitivity` measures each layer's attention compressed alone
 (ftc-method.md §15), denser where the curves bend; the smallest is a floor for that allocation's `rho`."""
 

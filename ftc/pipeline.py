@@ -155,8 +155,8 @@ def capture_input(layer: nn.Module, name: str, h: torch.Tensor, kwargs: dict) ->
 
 @contextlib.contextmanager
 def swapped(layer: nn.Module, layout: AttentionLayout, modules: dict[str, nn.Module]):
-    """Temporarily install `modules` (keyed q/k/v/o) in `layer`."""
-    names = layout.projections
+    """Temporarily install `modules` (keyed q/k/v/o/gate/up/down) in `layer`."""
+    names = layout.all_projections
     before = {names[p]: get_module(layer, names[p]) for p in modules}
     place(layer, names, modules)
     try:
@@ -189,6 +189,23 @@ REPLAY_TOKENS = 1024
 `tokens x intermediate` float32 buffers, 700 MB for a 4096-token batch at a 7B shape) scale with it."""
 
 
+def _replayed(layer: nn.Module, layout: AttentionLayout, h: torch.Tensor, context: torch.Tensor,
+              device: torch.device, run: Callable[[torch.Tensor], torch.Tensor]
+              ) -> Iterator[tuple[slice, torch.Tensor]]:
+    """`run(piece)` on pieces of whole sequences of `h` (about `REPLAY_TOKENS` tokens each) with the
+    attention block replaced by `_Replay` of `context`: `(rows, result)` per piece."""
+    block = layout.o.rpartition(".")[0]
+    attention, out_proj = get_module(layer, block), get_module(layer, layout.o)
+    rows = max(1, REPLAY_TOKENS // max(1, h[0].numel() // h.shape[-1]))  # sequences per piece
+    try:
+        for start in range(0, h.shape[0], rows):
+            piece = slice(start, start + rows)
+            set_module(layer, block, _Replay(out_proj, context[piece].to(device)))
+            yield piece, run(h[piece])
+    finally:
+        set_module(layer, block, attention)
+
+
 @torch.no_grad()
 def propagate(
     layer: nn.Module, stream: Stream, layout: AttentionLayout | None = None, contexts: list | None = None
@@ -200,23 +217,62 @@ def propagate(
     Everything after the attention acts on each token alone, so a replayed batch goes through in
     pieces of whole sequences, about `REPLAY_TOKENS` tokens each.
     """
-    block = None if contexts is None else layout.o.rpartition(".")[0]
     for i, (h, kw) in enumerate(stream.batches()):
         if contexts is None:
             stream.hidden[i] = stream.keep(_layer_output(layer(h, **kw)))
             continue
         context, contexts[i] = contexts[i], None
-        attention, out_proj = get_module(layer, block), get_module(layer, layout.o)
         out = torch.empty_like(h)
-        rows = max(1, REPLAY_TOKENS // max(1, h[0].numel() // h.shape[-1]))  # sequences per piece
-        try:
-            for start in range(0, h.shape[0], rows):
-                set_module(layer, block, _Replay(out_proj, context[start : start + rows].to(stream.device)))
-                out[start : start + rows] = _layer_output(layer(h[start : start + rows], **kw))
-        finally:
-            set_module(layer, block, attention)
+        for piece, result in _replayed(layer, layout, h, context, stream.device,
+                                       lambda part, kw=kw: _layer_output(layer(part, **kw))):
+            out[piece] = result
         del context
         stream.hidden[i] = stream.keep(out)
+
+
+@torch.no_grad()
+def mlp_inputs(layer: nn.Module, layout: AttentionLayout, stream: Stream, contexts: list) -> list[torch.Tensor]:
+    """The input of the layer's MLP on every batch of the stream (§17), the attention replayed from
+    `contexts` (as installed in `layer`: the compressed attention for the student stream)."""
+    first = layout.all_projections[layout.mlp_in[0]]
+    inputs = []
+    for (h, kw), context in zip(stream.batches(), contexts, strict=True):
+        x = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        for piece, captured in _replayed(layer, layout, h, context, stream.device,
+                                         lambda part, kw=kw: capture_input(layer, first, part, kw)):
+            x[piece] = captured
+        inputs.append(stream.keep(x))
+    return inputs
+
+
+def mlp_module(layer: nn.Module, layout: AttentionLayout) -> tuple[nn.Module, str]:
+    """The layer's MLP block and the name of `W_down` inside it."""
+    block, _, down = layout.down.rpartition(".")
+    return get_module(layer, block), down
+
+
+@torch.no_grad()
+def down_stats(layer: nn.Module, layout: AttentionLayout, inputs: list[torch.Tensor], device: torch.device,
+               compressed_in: dict[str, nn.Module] | None, absolute: bool = False) -> ContextStats:
+    """`H_t` (original gate/up) and, if given compressed ones, `H_s` on the same MLP inputs: the
+    statistics of `W_down`'s input, as `context_stats` gathers `W_O`'s (§17)."""
+    mlp, down = mlp_module(layer, layout)
+    stats = ContextStats(teacher=Moments(layout.intermediate, device, absolute))
+    if compressed_in is not None:
+        stats.student = Moments(layout.intermediate, device, absolute)
+        stats.cross = torch.zeros(layout.intermediate, layout.intermediate, dtype=WORK_DTYPE, device=device)
+    for x in inputs:
+        x = x.to(device)
+        h_t = capture_input(mlp, down, x, {})
+        stats.teacher.update(h_t)
+        if compressed_in is not None:
+            with swapped(layer, layout, compressed_in):
+                h_s = capture_input(mlp, down, x, {})
+            stats.student.update(h_s)
+            accumulate_product(stats.cross, h_s, h_t)
+            del h_s
+        del h_t
+    return stats
 
 
 @torch.no_grad()
@@ -255,7 +311,7 @@ def context_stats(
 
 
 def _weights(layer: nn.Module, layout: AttentionLayout) -> tuple[dict, dict]:
-    """Original projection weights in `(in, out)` layout, and their biases."""
+    """Original attention projection weights in `(in, out)` layout, and their biases."""
     weights, biases = projection_weights(layer, layout)
     return {p: w.detach().T for p, w in weights.items()}, biases
 
@@ -325,14 +381,57 @@ def compress_layer(
     phases.lap("o")
     if load_rest is not None:
         load_rest()
+    mlp_groups, mlp_report = [], {}
+    if method.scope == "model":
+        if method.stream == "student":  # the MLP's statistics come from the compressed attention (§17)
+            place(layer, layout.projections, {p: m.to(device) for p, m in replacements.items()})
+        mlp_groups, mlp_report, mlp_replacements = compress_mlp(layer, layout, method, stream, contexts,
+                                                                compute_dtype)
+        replacements.update(mlp_replacements)
+        phases.lap("mlp")
     if stream is not None and method.stream == "teacher":
         propagate(layer, stream, layout, contexts)
-    place(layer, layout.projections, {p: m.to(device) for p, m in replacements.items()})
+    place(layer, layout.all_projections, {p: m.to(device) for p, m in replacements.items()})
     if stream is not None and method.stream == "student":
         propagate(layer, stream, layout, contexts)
     phases.lap("propagate")
-    return [*qkv_groups, o_group], {**qkv_report, **o_report, "budget_values": method.budget_values(layout),
-                                    "phase_seconds": phases.seconds()}
+    report = {**qkv_report, **o_report, "budget_values": method.budget_values(layout)}
+    if mlp_report:
+        report["mlp"] = mlp_report
+    return [*qkv_groups, o_group, *mlp_groups], {**report, "phase_seconds": phases.seconds()}
+
+
+@torch.no_grad()
+def compress_mlp(layer: nn.Module, layout: AttentionLayout, method: Method, stream: Stream | None,
+                 contexts: list | None, compute_dtype: torch.dtype) -> tuple[list[Group], dict, dict]:
+    """Gate/up and `W_down` of one layer (§17): groups, report and the modules that replace them.
+
+    The MLP input comes from the stream with the layer's attention replayed (compressed on the
+    student stream); gate and up are compressed from its statistics, then `W_down` from those of
+    the intermediate activations with original and with compressed gate/up on the same inputs.
+    """
+    weights, biases = projection_weights(layer, layout, layout.mlp_projections)
+    weights = {p: w.detach().T for p, w in weights.items()}
+    device = weights["down"].device
+    x = inputs = None
+    if method.needs_data:
+        inputs = mlp_inputs(layer, layout, stream, contexts)
+        x = method.qkv_moments(layout.hidden, stream.device)
+        for batch in inputs:
+            x.update(batch)
+    in_groups, in_report = method.mlp_in({p: weights[p] for p in layout.mlp_in}, x, layout)
+    del x
+    in_modules = _modules(in_groups, biases, layout, compute_dtype)
+    ctx = None
+    if method.needs_data:
+        ctx = down_stats(layer, layout, inputs, stream.device,
+                         {p: m.to(device) for p, m in in_modules.items()} if method.needs_student_context else None,
+                         method.needs_abs_mean)
+    del inputs
+    down_group, down_report = method.mlp_out(weights.pop("down"), ctx, layout)
+    del ctx
+    modules = {**in_modules, **_modules([down_group], biases, layout, compute_dtype)}
+    return [*in_groups, down_group], {"in": in_report, "down": down_report}, modules
 
 
 class _PhaseClock:
@@ -482,8 +581,18 @@ def survey_layers(
             energy += float(h.double().pow(2).sum())
             rows += h.numel() // h.shape[-1]
         ctx, contexts = context_stats(layer, layout, at, None, keep="teacher")
-        surveys.append(method.survey(original, x, ctx, energy / max(rows, 1), layout))
-        del x, ctx
+        mlp = None
+        if method.scope == "model":  # the MLP's statistics on the same original stream (§17)
+            mlp_weights, _ = projection_weights(layer, layout, layout.mlp_projections)
+            original.update({p: w.detach().T for p, w in mlp_weights.items()})
+            inputs = mlp_inputs(layer, layout, at, contexts)
+            x_m = Moments(layout.hidden, stream.device)
+            for batch in inputs:
+                x_m.update(batch)
+            mlp = (x_m, down_stats(layer, layout, inputs, stream.device, None))
+            del inputs
+        surveys.append(method.survey(original, x, ctx, energy / max(rows, 1), layout, mlp))
+        del x, ctx, mlp
         propagate(layer, at, layout, contexts)
         if weights is not None:
             release(model, name)

@@ -51,17 +51,24 @@ from .options import (
     ASVD_SENSITIVITY_SEQUENCES,
     ASVD_UNLISTED_RATIO,
     LAYER_RATIO_CANDIDATES,
+    PLAN_REFERENCE_RATIO,
     InputError,
     method_ratio_problem,
 )
 from .pipeline import compress_layer, layer_inputs
-from .weights import WeightSource, materialize, skeleton
+from .weights import WeightSource, materialize, release, skeleton
 
 if TYPE_CHECKING:
     from .methods import Method
 
-PARTS = ("q", "k", "v", "o")
 CACHE_ENV = "FTC_CACHE_DIR"
+SCALE_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "mlp", "up": "mlp", "down": "down"}
+"""The input statistic each projection is scaled by in ASVD: its own input's."""
+
+
+def searched(layout: AttentionLayout, scope: str) -> tuple[str, ...]:
+    """The projections ASVD's search measures: the attention's, and with scope `model` the MLP's."""
+    return tuple(layout.scoped(scope))
 
 
 @dataclass(frozen=True)
@@ -159,13 +166,15 @@ def _decoder_pass(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, 
 
 def activation_scales(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, batch_size: int,
                       device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """Per layer, the mean |x| of the Q/K/V input (`"qkv"`) and of the `W_O` input (`"o"`) on the
-    original model: the statistic `asvd` scales by, on the same calibration batch as its compression."""
+    """Per layer, the mean |x| of the Q/K/V input (`"qkv"`), of the `W_O` input (`"o"`), of the MLP
+    input (`"mlp"`) and of the `W_down` input (`"down"`) on the original model: the statistic `asvd`
+    scales by, on the same calibration batch as its compression."""
     sums: list[dict[str, tuple]] = []
     handles = []
+    names = {"qkv": layout.q, "o": layout.o, "mlp": layout.all_projections[layout.mlp_in[0]], "down": layout.down}
     for layer in decoder_layers(model, layout):
         sums.append({})
-        for part, name in (("qkv", layout.q), ("o", layout.o)):
+        for part, name in names.items():
 
             def hook(_module, args, into=sums[-1], part=part):
                 rows = args[0].reshape(-1, args[0].shape[-1])
@@ -255,12 +264,13 @@ class _Candidate(nn.Module):
 @contextlib.contextmanager
 def replaced(layer: nn.Module, layout: AttentionLayout, proj: str, weight: torch.Tensor) -> Iterator[None]:
     """`layer` with projection `proj` computing `x @ weight` (`(in, out)` layout) instead; the rows
-    of a fused Q/K/V module outside `proj` stay the original ones."""
-    name = layout.projections[proj]
+    of a fused Q/K/V (gate/up) module outside `proj` stay the original ones."""
+    name = layout.all_projections[proj]
     module = get_module(layer, name)
     dense = weight.T.to(module.weight.device, torch.float32)
-    if proj != "o" and name == layout.fused_qkv:
-        start, stop = layout.qkv_rows[proj]
+    rows = {layout.fused_qkv: layout.qkv_rows, layout.fused_gate_up: layout.gate_up_rows}.get(name, {})
+    if proj in rows:
+        start, stop = rows[proj]
         dense = torch.cat([module.weight[:start].float(), dense, module.weight[stop:].float()])
     set_module(layer, name, _Candidate(dense, module.bias))
     try:
@@ -294,12 +304,13 @@ def sensitivities(method: Method, model: nn.Module, layout: AttentionLayout, cal
     inputs = cached_layer_inputs(model, layout, ids, batch_size, device)
     layers = decoder_layers(model, layout)
     entries = []
-    with tqdm(total=len(layers) * len(PARTS) * len(ratios), desc="asvd sensitivity", unit="candidate",
+    projections = searched(layout, method.scope)
+    with tqdm(total=len(layers) * len(projections) * len(ratios), desc="asvd sensitivity", unit="candidate",
               disable=not progress) as bar:
         for index, layer in enumerate(layers):
-            weights, _ = projection_weights(layer, layout)
-            for proj in PARTS:
-                scale = scales[index]["o" if proj == "o" else "qkv"]
+            weights, _ = projection_weights(layer, layout, layout.scoped(method.scope))
+            for proj in projections:
+                scale = scales[index][SCALE_OF[proj]]
                 for ratio, truncated in truncations(method, proj, weights[proj].detach().T, scale, ratios):
                     with replaced(layer, layout, proj, truncated):
                         loss = loss_from_layer(model, layout, index, ids, batch_size, inputs[index], device)
@@ -389,19 +400,23 @@ def sensitivity_file(folder: Path, method: Method, model: nn.Module, calib: torc
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy())
     digest.update(ids_sha256(calib).encode())
-    digest.update(json.dumps([method.name, method.choices(), str(method.storage_dtype)], sort_keys=True,
-                             default=str).encode())
+    description = [method.name, method.choices(), str(method.storage_dtype)]
+    if method.scope != "attention":  # the projections measured; kept out for attention, so earlier lists still apply
+        description.append(method.scope)
+    digest.update(json.dumps(description, sort_keys=True, default=str).encode())
     kind = "layer-sensitivity" if method.layer_sensitivity else "asvd-sensitivity"
     return folder / kind / f"{digest.hexdigest()}.json"
 
 
-def cached_sensitivities(path: Path | None, measure: Callable[[], list[Sensitivity]]) -> list[Sensitivity]:
+def cached_sensitivities(path: Path | None, measure: Callable[[], list], kind: type = Sensitivity) -> list:
     """The list stored at `path` when one is there and readable, else `measure()`, then stored there
     (written whole or not at all). An unreadable file is measured again and replaced, never trusted
-    in part; a cache that cannot be written costs the next run a search, not this one its result."""
+    in part; a cache that cannot be written costs the next run a search, not this one its result.
+    `kind` is the dataclass of the entries (`Sensitivity`, `UnitCurve`)."""
     if path is not None:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            return [Sensitivity(**entry) for entry in json.loads(path.read_text())["entries"]]
+            return [kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()})
+                    for entry in json.loads(path.read_text())["entries"]]
     entries = measure()
     if path is not None:
         with contextlib.suppress(OSError):
@@ -429,11 +444,307 @@ def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, ca
         entries = cached_sensitivities(path, lambda: layer_sensitivities(method, model, layout, calib,
                                                                          batch_size=batch_size, progress=progress))
         return dataclasses.replace(method, budgets=tuple(layer_plan(entries, layout, layers, method.keep_ratio)))
-    heads = {"q": layout.heads, "k": layout.kv_heads, "v": layout.kv_heads, "o": layout.heads}
-    sizes = {(i, p): layout.hidden * layout.head_dim * heads[p] for i in range(layers) for p in PARTS}
+    projections = searched(layout, method.scope)
+    sizes = {(i, p): projection_size(layout, p) for i in range(layers) for p in projections}
     entries = cached_sensitivities(path, lambda: sensitivities(method, model, layout, calib,
                                                                 batch_size=batch_size, progress=progress))
-    total = int(method.keep_ratio * layers * (layout.qkv_params + layout.o_params))
+    total = int(method.keep_ratio * layers * sum(layout.part_params(method.scope).values()))
     ratios = threshold_ratios(entries, sizes, total)
-    return dataclasses.replace(method, budgets=tuple({p: int(ratios[i, p] * sizes[i, p]) for p in PARTS}
+    return dataclasses.replace(method, budgets=tuple({p: int(ratios[i, p] * sizes[i, p]) for p in projections}
                                                      for i in range(layers)))
+
+
+def projection_size(layout: AttentionLayout, proj: str) -> int:
+    """Parameters of one projection of a decoder layer."""
+    heads = {"q": layout.heads, "k": layout.kv_heads, "v": layout.kv_heads, "o": layout.heads}
+    if proj in heads:
+        return layout.hidden * layout.head_dim * heads[proj]
+    return layout.hidden * layout.intermediate
+
+
+# ---------------------------------------------------------------------------------------------
+# the streamed layer plan (§15): predicted error curves, scaled by one measured divergence per unit
+
+@dataclass(frozen=True)
+class UnitCurve:
+    """One unit of a decoder layer (its attention, or its MLP): the predicted relative error of its
+    parts at each candidate keep ratio, and the divergence measured with it alone compressed at
+    `PLAN_REFERENCE_RATIO`. Its predicted divergence at ratio `r` is `gain * error(r)`."""
+
+    layer: int
+    unit: str
+    ratios: tuple[float, ...]
+    errors: tuple[float, ...]
+    divergence: float
+    reference_error: float
+
+    @property
+    def gain(self) -> float:
+        return self.divergence / max(self.reference_error, 1e-30)
+
+    def predicted(self) -> tuple[float, ...]:
+        return tuple(self.gain * e for e in self.errors)
+
+
+UNITS = {"attention": ("qkv", "o"), "mlp": ("gateup", "down")}
+"""The units a layer is planned in and the budgeted parts each holds (`ftc.arch` `part_params`)."""
+
+
+class _Surveying:
+    """Wraps the planning method at the reference ratio: each part's statistics, as the pipeline
+    hands them over, also give that part's predicted error curve over `ratios` (the allocator's
+    prediction for a tensor, §6; the tail of the whitened spectrum for a matrix, §8), measured
+    before the method takes the Grams over. Everything else is the method's own."""
+
+    def __init__(self, method: Method, ratios: tuple[float, ...]) -> None:
+        self.method, self.ratios = method, ratios
+        self.curves: dict[str, list[float]] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.method, name)
+
+    def at_layer(self, index: int):
+        self.curves = {}
+        return self
+
+    def _tensor_curve(self, tensor: torch.Tensor, gram: torch.Tensor, size: int, weights) -> list[float]:
+        from .allocation import tucker_curve
+        from .metric import Whitening
+
+        return tucker_curve(tensor, Whitening.from_gram(gram), [int(r * size) for r in self.ratios],
+                            weights=weights)
+
+    def _matrix_curve(self, w: torch.Tensor, gram: torch.Tensor) -> list[float]:
+        from .metric import Whitening
+
+        spectrum = torch.linalg.svdvals(Whitening.from_gram(gram).apply(w.to(WORK_DTYPE))).pow(2)
+        rows, cols = w.shape
+        tail = (spectrum.sum() - torch.cumsum(spectrum, 0)) / spectrum.sum().clamp_min(1e-300)
+        ranks = [max(1, int(r * rows * cols) // (rows + cols)) for r in self.ratios]
+        return [float(tail[min(rank, len(tail)) - 1]) for rank in ranks]
+
+    def qkv(self, weights, x, layout):
+        tensor, repeat = self.method.qkv_tensor(weights, layout)
+        self.curves["qkv"] = self._tensor_curve(tensor, x.gram, layout.qkv_params,
+                                                self.method.slice_weights(layout, repeat))
+        return self.method.qkv(weights, x, layout)
+
+    def o(self, w_o, ctx, layout):
+        self.curves["o"] = self._matrix_curve(w_o, ctx.teacher.gram)
+        return self.method.o(w_o, ctx, layout)
+
+    def mlp_in(self, weights, x, layout):
+        tensor = torch.stack([weights[p] for p in layout.mlp_in])
+        self.curves["gateup"] = self._tensor_curve(tensor, x.gram, layout.mlp_in_params, None)
+        return self.method.mlp_in(weights, x, layout)
+
+    def mlp_out(self, w_down, ctx, layout):
+        self.curves["down"] = self._matrix_curve(w_down, ctx.teacher.gram)
+        return self.method.mlp_out(w_down, ctx, layout)
+
+
+@torch.no_grad()
+def _through(model: nn.Module, layout: AttentionLayout, weights: WeightSource, probe, hidden: list[torch.Tensor],
+             start: int, device: torch.device, compute_dtype: torch.dtype, resident: bool = True) -> list[torch.Tensor]:
+    """`hidden` (the probe's input of layer `start`, one tensor per batch) through layers `start..L-1`:
+    layer `start` as it is now when `resident`, every other one materialised from `weights` for the
+    moment it runs."""
+    layers = decoder_layers(model, layout)
+    hidden = list(hidden)
+    for index in range(start, len(layers)):
+        name = f"{layout.layers_path}.{index}"
+        streamed = index != start or not resident
+        if streamed:
+            materialize(model, name, weights, device, compute_dtype)
+        for b, (_, kw) in enumerate(probe.at(index).batches()):
+            out = layers[index](hidden[b].to(device), **kw)
+            hidden[b] = out[0] if isinstance(out, tuple) else out
+        if streamed:
+            release(model, name)
+    return hidden
+
+
+def _log_probs(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, final: list[torch.Tensor],
+               device: torch.device) -> Iterator[torch.Tensor]:
+    """Next-token log-probabilities (float32) from the last layer's output, through the model's own
+    final norm and head (and any logit soft-capping), one sequence at a time."""
+    layers = len(decoder_layers(model, layout))
+    for _, logits in _logits_from_layer(model, layout, layers, ids, 1, [h[None] for h in torch.cat(final)], device):
+        yield F.log_softmax(logits.float(), dim=-1)[0]
+
+
+class _Spilled:
+    """The original model's log-probabilities, one sequence at a time, kept in a file rather than in
+    memory: a sequence of a 49k vocabulary is 100 MB in float32 (float16 would err by 1e-5 per token,
+    the size of the smallest divergences), and only one is read back at a time."""
+
+    def __init__(self, sequences: Iterator[torch.Tensor]) -> None:
+        import tempfile
+
+        self.file = tempfile.TemporaryFile()
+        self.shapes: list[tuple[int, ...]] = []
+        for sequence in sequences:
+            array = sequence.detach().to("cpu", torch.float32).contiguous().numpy()
+            self.file.write(array.tobytes())
+            self.shapes.append(array.shape)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        import numpy as np
+
+        self.file.seek(0)
+        for shape in self.shapes:
+            count = int(np.prod(shape))
+            yield torch.from_numpy(np.frombuffer(self.file.read(4 * count), dtype=np.float32).reshape(shape).copy())
+
+
+def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, calib: torch.Tensor, *,
+                device: torch.device, batch_size: int, progress: bool = True,
+                ratios: tuple[float, ...] = LAYER_RATIO_CANDIDATES,
+                compute_dtype: torch.dtype = torch.float32) -> list[UnitCurve]:
+    """The layer list of `--allocation sensitivity` (§15), streamed: one decoder layer resident at a
+    time (and one more while a divergence is measured), as the compression itself.
+
+    One pass over the original model's stream. Layer by layer, the planning method compresses the
+    layer at `PLAN_REFERENCE_RATIO` (`no_sequential`), which gives every part's predicted error
+    curve over `ratios` from the statistics it gathers (`_Surveying`); each unit (the attention, and
+    with scope `model` the MLP) is then measured alone: the KL divergence of the model's predictions
+    on the first `ASVD_SENSITIVITY_SEQUENCES` calibration sequences from the original's, with only that
+    unit compressed, the later layers streamed in for the measurement. The layer is then restored
+    and the streams move on through the original layer.
+    """
+    from .pipeline import compress_layer, propagate
+    from .weights import materialize_embedding_rows
+
+    model = skeleton(weights.config)
+    ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
+    materialize_embedding_rows(model, weights, calib, device)
+    for name in _head_modules(model, layout):
+        materialize(model, name, weights, device, compute_dtype)
+    stream = layer_inputs(model, layout, calib, batch_size, device)
+    probe = layer_inputs(model, layout, ids, batch_size, device)
+    original = _through(model, layout, weights, probe, probe.hidden, 0, device, compute_dtype, resident=False)
+    reference = _Spilled(_log_probs(model, layout, ids, original, device))
+    del original
+    planner = _Surveying(dataclasses.replace(method, keep_ratio=PLAN_REFERENCE_RATIO, allocation="uniform",
+                                             budgets=None, ablations=method.ablations | {"no_sequential"}), ratios)
+    layers = decoder_layers(model, layout)
+    units = {unit: parts for unit, parts in UNITS.items() if unit == "attention" or method.scope == "model"}
+    curves = []
+    at = ratios.index(PLAN_REFERENCE_RATIO)
+    for index in tqdm(range(len(layers)), desc="layer plan", unit="layer", disable=not progress):
+        name = f"{layout.layers_path}.{index}"
+        materialize(model, name, weights, device, compute_dtype)
+        layer = layers[index]
+        names = {"attention": set(layout.projections.values()), "mlp": set(layout.mlp_projections.values())}
+        originals = {n: get_module(layer, n) for unit in units for n in names[unit]}
+        inputs = [h.clone() for h in probe.hidden]
+        compress_layer(layer, layout, planner.at_layer(index), stream.at(index), compute_dtype)
+        compressed = {n: get_module(layer, n) for n in originals}
+        try:
+            for unit, parts in units.items():
+                for n in originals:  # this unit alone compressed
+                    set_module(layer, n, compressed[n] if n in names[unit] else originals[n])
+                final = _through(model, layout, weights, probe, inputs, index, device, compute_dtype)
+                divergence = _kl(_log_probs(model, layout, ids, final, device), reference)
+                errors = tuple(sum(planner.curves[p][i] for p in parts) for i in range(len(ratios)))
+                curves.append(UnitCurve(index, unit, tuple(ratios), errors, divergence, errors[at]))
+        finally:
+            for n, module in originals.items():
+                set_module(layer, n, module)
+        propagate(layer, probe.at(index))
+        release(model, name)
+    return curves
+
+
+def _head_modules(model: nn.Module, layout: AttentionLayout) -> list[str]:
+    """The modules after the decoder layers: the final norm(s) and the output head."""
+    layers_path = layout.layers_path
+    owner = layers_path.rpartition(".")[0]
+    base = model.get_submodule(owner) if owner else model
+    norms = [f"{owner}.{n}" if owner else n for n, m in base.named_children()
+             if n != layers_path.rpartition(".")[2] and any(True for _ in m.parameters()) and
+             m is not model.get_input_embeddings()]
+    head = [n for n, m in model.named_children() if m is model.get_output_embeddings()]
+    return norms + head
+
+
+def _kl(log_probs: Iterator[torch.Tensor], reference: _Spilled) -> float:
+    """Mean KL divergence per token of `log_probs` from `reference`, sequence by sequence."""
+    total, count = 0.0, 0
+    for mine, theirs in zip(log_probs, reference, strict=True):
+        total += float(F.kl_div(mine, theirs.to(mine.device), reduction="sum", log_target=True))
+        count += mine.shape[0]
+    return total / count
+
+
+def gains_plan(curves: list[UnitCurve], layout: AttentionLayout, layers: int, rho: float, scope: str) -> list[dict]:
+    """Per-layer budgets by part from the streamed layer list (§15): one candidate ratio per unit,
+    the least total predicted divergence within `rho` times the parameters the scope compresses
+    (`ftc.allocation.choose`). A unit's ratio applies to each of its parts, the split `uniform` makes."""
+    params = layout.part_params(scope)
+    plan: list[dict] = [{} for _ in range(layers)]
+    chosen_curves = [Curve(f"{c.layer}.{c.unit}", tuple(sum(int(r * params[p]) for p in UNITS[c.unit])
+                                                         for r in c.ratios), c.predicted()) for c in curves]
+    try:
+        chosen = choose(chosen_curves, int(rho * layers * sum(params.values())))
+    except ValueError as error:
+        raise InputError(f"{error}; raise --ratio to at least {min(curves[0].ratios)}") from None
+    for curve, position in zip(curves, chosen, strict=True):
+        ratio = curve.ratios[position]
+        plan[curve.layer].update({p: int(ratio * params[p]) for p in UNITS[curve.unit]})
+    return plan
+
+
+def weights_digest(weights: WeightSource) -> hashlib._Hash:
+    """A digest of a checkpoint's content, read one tensor at a time: its configuration and every
+    weight (names, dtypes, shapes, bytes). What the plan depends on, not where the file lies."""
+    digest = hashlib.sha256(weights.config.to_json_string(use_diff=False).encode())
+    for name in sorted(weights.names()):
+        tensor = weights.get(name)
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy())
+        del tensor
+    return digest
+
+
+def plan_key(method: Method, weights: WeightSource, calib: torch.Tensor) -> str:
+    """The name a streamed layer list is kept under (locally and in a service's object store): a
+    digest of the checkpoint's content, the calibration ids, the method with its fixed choices and
+    the scope. It does not depend on rho, so every ratio plans from one list."""
+    digest = weights_digest(weights)
+    digest.update(ids_sha256(calib).encode())
+    digest.update(json.dumps([method.name, method.choices(), str(method.storage_dtype), method.scope],
+                             sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def streamed_budgets(method: Method, weights: WeightSource, layout: AttentionLayout, calib: torch.Tensor, *,
+                     device: torch.device, batch_size: int, progress: bool = True, cache: Path | None = None,
+                     store: PlanStore | None = None) -> Method:
+    """`method` with the budgets of `--allocation sensitivity` (§15) from its streamed layer list
+    (`layer_gains`, `gains_plan`), read from `store` or the `cache` folder when measured before
+    (`plan_key`), measured and kept there otherwise."""
+    if problem := method_ratio_problem(method.name, method.keep_ratio, method.allocation):
+        raise InputError(problem)
+    layers = len(decoder_layers(skeleton(weights.config), layout))
+    key = plan_key(method, weights, calib) if (cache is not None or store is not None) else None
+
+    def measure() -> list[UnitCurve]:
+        return layer_gains(method, weights, layout, calib, device=device, batch_size=batch_size, progress=progress)
+
+    if store is not None and key is not None:
+        curves = store.curves(key, measure)
+    else:
+        path = None if cache is None or key is None else cache / "layer-plan" / f"{key}.json"
+        curves = cached_sensitivities(path, measure, UnitCurve)
+    return dataclasses.replace(method, budgets=tuple(gains_plan(curves, layout, layers, method.keep_ratio,
+                                                                method.scope)))
+
+
+class PlanStore:
+    """Where layer lists are shared beyond one machine's cache folder (a service's object store):
+    `curves(key, measure)` returns the list kept under `key`, or measures it, keeps it and returns it.
+    An implementation makes two callers that start the same key at once measure it once."""
+
+    def curves(self, key: str, measure: Callable[[], list[UnitCurve]]) -> list[UnitCurve]:
+        raise NotImplementedError

@@ -26,7 +26,9 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def tucker_tensors(factors: TuckerFactors, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """§9 tensors of a Tucker group, cast to the storage dtype (values in row-major support order)."""
-    out = {"U1": factors.u1.to(dtype).contiguous(), "U2": factors.u2.to(dtype).contiguous()}
+    out = {"U1": factors.u1.to(dtype).contiguous()}
+    if factors.u2 is not None:  # None: the identity, not stored (§17)
+        out["U2"] = factors.u2.to(dtype).contiguous()
     if factors.mask is None:
         out["core"] = factors.core.to(dtype).contiguous()
     else:

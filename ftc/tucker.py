@@ -68,16 +68,17 @@ def mask_units(r1: int, r2: int, slices: int) -> int:
     return math.ceil(r1 * r2 * slices / MASK_UNIT_BITS)
 
 
-def storage_values(d: int, dh: int, slices: int, r1: int, r2: int, kept: int) -> int:
-    """Stored values of a Tucker Q/K/V layer: factors + kept core values (+ mask if sparse)."""
+def storage_values(d: int, dh: int, slices: int, r1: int, r2: int, kept: int, mode2: bool = True) -> int:
+    """Stored values of a Tucker group: factors + kept core values (+ mask if sparse). Without a
+    mode-2 factor (`mode2=False`, §17: `U2` the identity, `r2 = dh`) only `U1` is a factor."""
     dense = kept >= r1 * r2 * slices
-    return d * r1 + dh * r2 + (r1 * r2 * slices if dense else kept + mask_units(r1, r2, slices))
+    return d * r1 + (dh * r2 if mode2 else 0) + (r1 * r2 * slices if dense else kept + mask_units(r1, r2, slices))
 
 
-def core_capacity(budget: int, d: int, dh: int, slices: int, r1: int, r2: int) -> int:
+def core_capacity(budget: int, d: int, dh: int, slices: int, r1: int, r2: int, mode2: bool = True) -> int:
     """Largest core count `K` that fits `budget` at ranks `(r1, r2)`; `r1*r2*S` means dense, 0 none."""
     full = r1 * r2 * slices
-    free = budget - d * r1 - dh * r2
+    free = budget - d * r1 - (dh * r2 if mode2 else 0)
     if free >= full:
         return full
     return max(0, min(full - 1, free - mask_units(r1, r2, slices)))
@@ -102,13 +103,14 @@ def mode2_unfold(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.permute(2, 0, 1).reshape(tensor.shape[2], -1)
 
 
-def times_u2(tensor: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
-    """`(B_s U2)^T = U2^T B_s^T` for every slice, shape `(S, r2, d)`.
+def times_u2(tensor: torch.Tensor, u2: torch.Tensor | None) -> torch.Tensor:
+    """`(B_s U2)^T = U2^T B_s^T` for every slice, shape `(S, r2, d)` (`B_s^T` when `U2` is the
+    identity, None).
 
     Kept transposed so that both uses are plain GEMMs over a free reshape: the core
     (`(S r2, d) @ (d, r1)`) and the `U1` update (`(d, S r2) @ (S r2, r1)`).
     """
-    return u2.T @ tensor.mT
+    return tensor.mT if u2 is None else u2.T @ tensor.mT
 
 
 def core_from(tu2: torch.Tensor, u1: torch.Tensor) -> torch.Tensor:
@@ -120,14 +122,14 @@ def core_from(tu2: torch.Tensor, u1: torch.Tensor) -> torch.Tensor:
     return u1.T @ tu2.mT
 
 
-def project_core(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+def project_core(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor | None) -> torch.Tensor:
     """`G_s = U1^T B_s U2` for every slice, as `U1^T (B_s U2)`: the narrow factor `U2` goes first."""
     return core_from(times_u2(tensor, u2), u1)
 
 
-def reconstruct(u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
-    """`U1 G_s U2^T` for every slice, shape `(S, d, dh)`."""
-    return u1 @ core @ u2.T
+def reconstruct(u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor | None) -> torch.Tensor:
+    """`U1 G_s U2^T` for every slice, shape `(S, d, dh)` (`U2` None: the identity)."""
+    return u1 @ core if u2 is None else u1 @ core @ u2.T
 
 
 GRAM_SLICES = 8
@@ -174,21 +176,23 @@ def hosvd_ranks(tensor: torch.Tensor) -> tuple[int, int]:
     return min(d, slices * dh), min(dh, slices * d)
 
 
-def hosvd(tensor: torch.Tensor, max_r1: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hosvd(tensor: torch.Tensor, max_r1: int | None = None, mode2: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Full HOSVD with the slice mode kept (§5): nested factors, so `G[:, :r1, :r2]` truncates.
 
     Each factor comes from `eigh` of its unfolding's Gram, `(d x d)` and `(dh x dh)`, rather than
     an SVD of the `(d, S dh)` and `(dh, S d)` unfoldings: the same subspaces, far less work.
     `max_r1` keeps only that many leading mode-1 vectors (and core rows): nesting makes the result
-    the leading block of the full one, at the memory of the part a budget can reach.
+    the leading block of the full one, at the memory of the part a budget can reach. Without
+    `mode2` the second factor is the identity (None, §17) and the core `U1^T B_s`.
     """
     m1, m2 = hosvd_ranks(tensor)
     u1 = leading_eigenvectors(mode1_gram(tensor), m1 if max_r1 is None else max(1, min(m1, max_r1)))
-    u2 = leading_eigenvectors(mode2_gram(tensor), m2)
+    u2 = leading_eigenvectors(mode2_gram(tensor), m2) if mode2 else None
     return u1, u2, project_core(tensor, u1, u2)
 
 
-def tucker_error(tensor: torch.Tensor, u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor) -> float:
+def tucker_error(tensor: torch.Tensor, u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor | None) -> float:
     """`||B - U1 G U2^T||_F^2` without forming the reconstruction (U1, U2 orthonormal)."""
     inner = float((project_core(tensor, u1, u2) * core).sum())
     return squared_norm(tensor) - 2 * inner + float(core.pow(2).sum())
@@ -266,8 +270,9 @@ class _EnergyTable:
 
 
 def _grid(limit: int, points: int) -> list[int]:
+    """About `points` ranks from 1 to `limit`: rank 1 too, so a small budget always has a candidate."""
     step = max(1, limit // points)
-    return sorted({*range(step, limit + 1, step), limit})
+    return sorted({1, *range(step, limit + 1, step), limit})
 
 
 def reachable_r1(budget: int, d: int, dh: int) -> int:
@@ -286,23 +291,27 @@ def allocate(
     dh: int,
     grid_points: int = GRID_POINTS,
     ranks: tuple[int, int] | None = None,
+    mode2: bool = True,
 ) -> Allocation:
     """Pick `(r1, r2, K)` with the least predicted error under the budget (§6).
 
     Candidates come from the one HOSVD core: a coarse grid over both ranks, then every rank pair
     around the best cell with the step halved each round, one rank at a time **[choice]**.
     `ranks` are the full HOSVD's `(m1, m2)` that span the grid when `core` holds only the rows up
-    to `reachable_r1` (the candidates beyond fit no core, so the choice is the same).
+    to `reachable_r1` (the candidates beyond fit no core, so the choice is the same). Without
+    `mode2` (§17) `r2` is the whole second mode, which costs no factor, and only `r1` is searched.
     """
     slices, m1, m2 = core.shape
     if ranks is not None:
         m1, m2 = ranks
+    if not mode2:
+        m2 = core.shape[2]
     best: Allocation | None = None
     table: _EnergyTable | None = None  # one at a time: each is a copy of up to the whole core
 
     def consider(r1: int, r2: int) -> None:
         nonlocal best, table
-        kept = core_capacity(budget, d, dh, slices, r1, r2)
+        kept = core_capacity(budget, d, dh, slices, r1, r2, mode2)
         if kept <= 0:
             return
         if r1 > core.shape[1] or r2 > core.shape[2]:
@@ -314,14 +323,14 @@ def allocate(
         if best is None or clearly_below(err, best.predicted_error):
             best = Allocation(r1, r2, kept, err)
 
-    rows, cols = _grid(m1, grid_points), _grid(m2, grid_points // 2)
+    rows, cols = _grid(m1, grid_points), _grid(m2, grid_points // 2) if mode2 else [m2]
     for r2 in cols:
         for r1 in rows:
             consider(r1, r2)
     if best is None:
         raise ValueError(f"budget of {budget} values cannot hold even rank-1 factors ({d}+{dh} values)")
     # refine around the best cell, halving the step each round, one rank at a time
-    step1, step2 = max(1, m1 // grid_points), max(1, m2 // (grid_points // 2))
+    step1, step2 = max(1, m1 // grid_points), max(1, m2 // (grid_points // 2)) if mode2 else 1
     while step1 > 1 or step2 > 1:
         step1, step2 = max(1, step1 // 2), max(1, step2 // 2)
         r1_best, r2_best = best.r1, best.r2
@@ -384,10 +393,11 @@ def refit(
     core = mask * core_from(tu2, u1)
     for _ in range(iterations):
         u1 = polar(tu2.reshape(-1, d).T @ core.mT.reshape(-1, r1))
-        tu1 = u1.T @ tensor  # (S, r1, dh): U1^T B_s
-        u2 = polar(tu1.reshape(-1, tensor.shape[2]).T @ core.reshape(-1, r2))
-        del tu1
-        tu2 = times_u2(tensor, u2)
+        if u2 is not None:  # the identity (§17) is not refitted
+            tu1 = u1.T @ tensor  # (S, r1, dh): U1^T B_s
+            u2 = polar(tu1.reshape(-1, tensor.shape[2]).T @ core.reshape(-1, r2))
+            del tu1
+            tu2 = times_u2(tensor, u2)
         core = mask * core_from(tu2, u1)
     return u1, u2, core
 
@@ -434,19 +444,22 @@ class TuckerFactors:
     """A compressed joint tensor: `W_s ~= U1_hat G_s U2^T` (§9 layout)."""
 
     u1: torch.Tensor  # (d, r1), un-whitened
-    u2: torch.Tensor  # (dh, r2)
+    u2: torch.Tensor | None  # (dh, r2); None: the identity, r2 = dh (§17)
     core: torch.Tensor  # (S, r1, r2), zero off the support, slice norms multiplied back
     mask: torch.Tensor | None  # (S, r1, r2) bool, None for a dense core
 
     @property
     def stored_values(self) -> int:
-        (d, r1), (dh, r2), slices = self.u1.shape, self.u2.shape, self.core.shape[0]
+        slices, r1, r2 = self.core.shape
+        d, dh = self.u1.shape[0], r2 if self.u2 is None else self.u2.shape[0]
         kept = r1 * r2 * slices if self.mask is None else int(self.mask.sum())
-        return storage_values(d, dh, slices, r1, r2, kept)
+        return storage_values(d, dh, slices, r1, r2, kept, self.u2 is not None)
 
     def weights(self, slices: slice = slice(None), columns: slice = slice(None)) -> torch.Tensor:
         """The reconstructed `(S, d, dh)` tensor, or its block `[slices, :, columns]`."""
         dtype = self.u1.dtype
+        if self.u2 is None:
+            return self.u1 @ self.core[slices][..., columns].to(dtype)
         return reconstruct(self.u1, self.core[slices].to(dtype), self.u2[columns].to(dtype))
 
 
@@ -496,26 +509,28 @@ def compress_tensor(
     steps: int = PRUNE_STEPS,
     refits: int = REFITS,
     weights: torch.Tensor | None = None,
+    mode2: bool = True,
 ) -> tuple[TuckerFactors, TuckerReport]:
     """Whiten, balance, allocate, prune and refit, then undo balancing and whitening (§3-§7).
 
     `tensor` is `(S, d, dh)` in `(in, out)` layout per slice; `budget` counts stored values;
-    `weights` weigh the slices' shares of the objective (`whiten_and_balance`).
+    `weights` weigh the slices' shares of the objective (`whiten_and_balance`). Without `mode2` the
+    second factor is the identity: one shared input factor and a sparse core (§17).
     """
     slices, d, dh = tensor.shape
     balanced, norms = whiten_and_balance(tensor, whitening, balance, weights)
     total = squared_norm(balanced)
     ranks = hosvd_ranks(balanced)
-    u1, u2, core = hosvd(balanced, reachable_r1(budget, d, dh))
+    u1, u2, core = hosvd(balanced, reachable_r1(budget, d, dh), mode2)
     if coupled:
-        alloc = allocate(core, total, budget, d, dh, ranks=ranks)
+        alloc = allocate(core, total, budget, d, dh, ranks=ranks, mode2=mode2)
     else:
         r1, r2 = fixed_ranks(budget, d, dh, slices, *ranks)
         dense = r1 * r2 * slices
         alloc = Allocation(r1, r2, dense, total - float(core[:, :r1, :r2].pow(2).sum()))
     del core
     # copies of the chosen columns, so the unchosen ones are freed before the refits
-    u1, u2 = u1[:, : alloc.r1].clone(), u2[:, : alloc.r2].clone()
+    u1, u2 = u1[:, : alloc.r1].clone(), None if u2 is None else u2[:, : alloc.r2].clone()
     u1, u2, core, mask = prune_refit(balanced, u1, u2, alloc.kept, steps, refits)
     refit_error = tucker_error(balanced, u1, core, u2)
     dense = bool(mask.all())

@@ -17,8 +17,8 @@ from ftc.allocation import Curve, choose
 from ftc.arch import decoder_layers, get_module, layout_of, set_module
 from ftc.compress import CompressOptions, compress
 from ftc.methods import make_method
-from ftc.options import ASVD_SENSITIVITY_SEQUENCES, LAYER_RATIO_CANDIDATES, InputError
-from ftc.sensitivity import CACHE_ENV, Sensitivity, layer_plan, layer_sensitivities
+from ftc.options import ASVD_SENSITIVITY_SEQUENCES, LAYER_RATIO_CANDIDATES, PLAN_REFERENCE_RATIO, InputError
+from ftc.sensitivity import CACHE_ENV, Sensitivity, UnitCurve, gains_plan, layer_plan, layer_sensitivities
 from tests.ftc.test_asvd_search import BATCH, CPU, _calibration, _confident
 from tests.ftc.test_registry import default
 from tests.support.pipeline import compress_model
@@ -90,28 +90,83 @@ def test_the_plan_chooses_along_the_divergence_curves_within_the_budget():
 
 @pytest.mark.parametrize("method", ["ftc", "cp"])
 def test_the_sensitivity_allocation_plans_from_its_own_kept_list(method, tiny_folder, tmp_path, monkeypatch):
-    """The manifest's budgets are `layer_plan` of the method's own layer list, kept in the cache and
-    read back at a second ratio without measuring again; the whole stays within rho of the attention."""
+    """The manifest's budgets are `gains_plan` of the method's own streamed layer list, kept in the
+    cache and read back at a second ratio without measuring again; the whole stays within rho."""
     folder = tiny_folder("gqa", layers=3)
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     fields = dict(model=str(folder), device="cpu", calib_samples=6, seq_len=32, dtype="float32", batch_size=4,
                   method=method, allocation="sensitivity")
     first = compress(CompressOptions(ratio=0.4, **fields), tmp_path / "a", progress=False)
-    [kept] = (tmp_path / "cache" / "layer-sensitivity").iterdir()
-    entries = [Sensitivity(**e) for e in json.loads(kept.read_text())["entries"]]
-    assert sorted({e.ratio for e in entries}) == list(LAYER_RATIO_CANDIDATES)
+    [kept] = (tmp_path / "cache" / "layer-plan").iterdir()
+    curves = [UnitCurve(**{k: tuple(v) if isinstance(v, list) else v for k, v in e.items()})
+              for e in json.loads(kept.read_text())["entries"]]
+    assert [(c.layer, c.unit) for c in curves] == [(i, "attention") for i in range(3)]
+    assert all(c.ratios == LAYER_RATIO_CANDIDATES for c in curves)
     layout = layout_of(tiny_model("gqa", layers=3).config)
-    assert first["allocation"] == {"kind": "sensitivity", "layer_budgets": layer_plan(entries, layout, 3, 0.4)}
+    assert first["allocation"] == {"kind": "sensitivity",
+                                   "layer_budgets": gains_plan(curves, layout, 3, 0.4, "attention")}
 
     def measure(*args, **kwargs):
         raise AssertionError("the layer list was measured a second time")
 
-    monkeypatch.setattr(sensitivity, "layer_sensitivities", measure)
+    monkeypatch.setattr(sensitivity, "layer_gains", measure)
     second = compress(CompressOptions(ratio=0.2, **fields), tmp_path / "b", progress=False)
-    assert second["allocation"]["layer_budgets"] == layer_plan(entries, layout, 3, 0.2)
+    assert second["allocation"]["layer_budgets"] == gains_plan(curves, layout, 3, 0.2, "attention")
     for manifest in (first, second):
         storage = manifest["storage"]
         assert storage["qkv_values_used"] + storage["o_values_used"] <= storage["attention_budget_values"]
+
+
+@pytest.mark.parametrize(("layout_name", "scope"), [("gqa", "attention"), ("gemma3", "model"), ("phi3", "model")])
+def test_each_streamed_divergence_is_that_of_the_unit_alone_compressed(layout_name, scope):
+    """The streamed list (§15): unit (l, attention|mlp) holds the KL divergence of the model with only
+    that unit of layer l compressed at the reference ratio, measured through an independent route (the
+    whole model compressed at that ratio on the original stream, the unit put into a copy of the
+    original model, full forwards), and its predicted errors fall as the ratio grows."""
+    from ftc.weights import ModuleSource
+
+    model = _confident(layout_name)
+    layout = layout_of(model.config)
+    calib = _calibration(model)
+    planner = make_method("ftc", 0.4, torch.float32, allocation="sensitivity", scope=scope)
+    curves = sensitivity.layer_gains(planner, ModuleSource(model), layout, calib, device=CPU, batch_size=BATCH,
+                                     progress=False)
+    units = ["attention", "mlp"] if scope == "model" else ["attention"]
+    assert [(c.layer, c.unit) for c in curves] == list(itertools.product(range(3), units))
+    compressed = copy.deepcopy(model)
+    probe = make_method("ftc", PLAN_REFERENCE_RATIO, torch.float32, ("no_sequential",), scope=scope)
+    compress_model(compressed, layout, probe, calib, device=CPU, batch_size=BATCH)
+    names = {"attention": layout.projections.values(), "mlp": layout.mlp_projections.values()}
+    ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
+    for curve in curves:
+        alone = copy.deepcopy(model)
+        for name in set(names[curve.unit]):
+            set_module(decoder_layers(alone, layout)[curve.layer], name,
+                       get_module(decoder_layers(compressed, layout)[curve.layer], name))
+        assert curve.divergence == pytest.approx(_divergence(model, alone, ids), rel=2e-3, abs=1e-6), curve
+        assert list(curve.errors) == sorted(curve.errors, reverse=True)
+        assert curve.reference_error == curve.errors[curve.ratios.index(PLAN_REFERENCE_RATIO)]
+
+
+def test_the_streamed_plan_chooses_along_the_scaled_curves_within_the_budget():
+    """`gains_plan` on a worked example: each unit's curve is its predicted error scaled to its measured
+    divergence; the plan is the allocator's choice on those curves within rho of what the scope
+    compresses, a ten times more sensitive unit getting more."""
+    layout = layout_of(_confident("gqa").config)
+    params = layout.part_params("model")
+    ratios = (0.1, 0.3, 0.6)
+    errors = tuple((1 - r) ** 2 for r in ratios)
+    gain = {(0, "attention"): 1.0, (0, "mlp"): 10.0, (1, "attention"): 1.0, (1, "mlp"): 1.0}
+    curves = [UnitCurve(layer, unit, ratios, errors, g * errors[1], errors[1]) for (layer, unit), g in gain.items()]
+    total = sum(params.values())
+    for rho in (0.2, 0.3, 0.45):
+        plan = gains_plan(curves, layout, 2, rho, "model")
+        assert sum(sum(b.values()) for b in plan) <= rho * 2 * total
+        assert plan[0]["gateup"] / params["gateup"] >= plan[1]["gateup"] / params["gateup"]
+        for layer in plan:  # a unit's ratio applies to each of its parts
+            assert layer["qkv"] / params["qkv"] == pytest.approx(layer["o"] / params["o"], abs=1e-3)
+    with pytest.raises(InputError, match=r"--ratio to at least 0\.1"):
+        gains_plan(curves, layout, 2, 0.05, "model")
 
 
 @pytest.mark.parametrize("method", ["ftc", "cp"])

@@ -13,7 +13,7 @@ from ftc.arch import layout_of
 from ftc.artifact import WEIGHTS
 from ftc.data import load_text
 from ftc.methods import make_method
-from ftc.options import ABLATIONS
+from ftc.options import ABLATIONS, MLP_ABLATIONS
 from ftc.stored import stored_values
 from tests.support.pipeline import compress_loaded, compress_model
 from tests.support.tiny import LAYOUTS, tiny_model
@@ -30,19 +30,25 @@ def tiny_run(tmp_path_factory, smollm2_tokenizer):
     return smollm2_tokenizer, dict(calib=str(path), calib_samples=8, seq_len=48, batch_size=BATCH)
 
 
+def _scope(ablations) -> str:
+    """The scope an ablation applies to: the MLP's ablations need the whole model's."""
+    return "model" if set(ablations) & set(MLP_ABLATIONS) else "attention"
+
+
 def _compress(tiny_run, out, layout_name: str, method: str, ratio: float, dtype: str = "float32", ablations=()):
     """The artifact `compress()` writes for a tiny model, reloaded, and the dense model it came from."""
     tokenizer, calibration = tiny_run
     model = tiny_model(layout_name, vocab_size=len(tokenizer))
     reloaded, manifest, calib = compress_loaded(model, tokenizer, out, method=method, ratio=ratio, dtype=dtype,
-                                                ablate=tuple(ablations), **calibration)
+                                                ablate=tuple(ablations), scope=_scope(ablations), **calibration)
     return model, reloaded, manifest, calib
 
 
 def _in_memory(model, method: str, ratio: float, calib: torch.Tensor, ablations=()):
     """The same compression with every layer resident: what the artifact must reproduce."""
     model = copy.deepcopy(model)
-    compress_model(model, layout_of(model.config), make_method(method, ratio, torch.float32, ablations), calib,
+    compress_model(model, layout_of(model.config),
+                   make_method(method, ratio, torch.float32, ablations, scope=_scope(ablations)), calib,
                    device=torch.device("cpu"), batch_size=BATCH)
     return model
 

@@ -14,7 +14,7 @@ import torch
 
 from ftc.arch import decoder_layers, get_module, layout_of, set_module
 from ftc.methods import SINK_WEIGHT, make_method
-from ftc.options import ABLATIONS
+from ftc.options import ABLATIONS, MLP_ABLATIONS
 from ftc.pipeline import layer_inputs, survey_layers
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
@@ -48,10 +48,10 @@ class Recorder:
         return self.method.o(w_o, ctx, layout)
 
 
-def _run(ablations=(), layers: int = 2, ratio: float = 0.4):
+def _run(ablations=(), layers: int = 2, ratio: float = 0.4, scope: str = "attention"):
     model = tiny_model("gqa", layers=layers)
     layout = layout_of(model.config)
-    method = Recorder(make_method("ftc", ratio, torch.float32, ablations))
+    method = Recorder(make_method("ftc", ratio, torch.float32, ablations, scope=scope))
     compress_model(model, layout, method, CALIB, device=torch.device("cpu"), batch_size=4, progress=False)
     return model, layout, method
 
@@ -104,9 +104,14 @@ def full_logits() -> torch.Tensor:
 
 @pytest.mark.parametrize("ablation", ABLATIONS)
 def test_every_ablation_changes_the_compressed_model(ablation, full_logits):
-    ablated, _, method = _run((ablation,))
-    with torch.no_grad():
-        a, b = full_logits, ablated(PROBE).logits
+    if ablation in MLP_ABLATIONS:  # they change how the MLP is compressed: set against the whole model's run
+        ablated, _, method = _run((ablation,), scope="model")
+        with torch.no_grad():
+            a, b = _run(scope="model")[0](PROBE).logits, ablated(PROBE).logits
+    else:
+        ablated, _, method = _run((ablation,))
+        with torch.no_grad():
+            a, b = full_logits, ablated(PROBE).logits
     assert (a - b).norm() / a.norm() > 1e-4, f"ablation {ablation} left the output unchanged"
     if ablation == "no_sequential":
         assert method.stream == "teacher"
