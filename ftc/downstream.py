@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ftc.tasks import PREFIX, TASK_DIR, task_file
+from ftc.tasks import GROUPS, PREFIX, TASK_DIR, task_file
 
 SCORE_METRIC = {"gsm8k": ("exact_match", "strict-match")}
 """The headline metric and lm-eval filter of a task when it is not `acc` (lm-eval's `none` filter)."""
@@ -92,6 +92,13 @@ def average(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     return {"avg": sum(scores) / len(scores), "avg_stderr": spread}
 
 
+def group_averages(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """`average` over each task group (`avg5`, `avg6`) whose tasks were all scored: a run of avg6
+    gives the avg5 headline too, without scoring anything twice."""
+    return {name: average({task: rows[task] for task in tasks})
+            for name, tasks in GROUPS.items() if all(task in rows for task in tasks)}
+
+
 def evaluate_tasks(
     model: nn.Module,
     tokenizer: Any,
@@ -102,7 +109,8 @@ def evaluate_tasks(
     batch_size: int = 1,
     per_document: bool = False,
 ) -> dict[str, Any]:
-    """`{"tasks": {name: row}, "avg", "avg_stderr", "limit", "num_fewshot"}` for known task names.
+    """`{"tasks": {name: row}, "avg", "avg_stderr", "groups", "limit", "num_fewshot"}` for known task
+    names; `groups` holds the average of each task group covered (`group_averages`).
 
     `limit` scores the first N documents of each task (lm-eval's `--limit`); `num_fewshot` None
     keeps each config's own (0, and 5 for GSM8K). Every data file is checked before any work.
@@ -131,4 +139,5 @@ def evaluate_tasks(
     if per_document:
         for task, row in rows.items():
             row["documents"] = document_scores(task, output["samples"][PREFIX + task])
-    return {"tasks": rows, **average(rows), "limit": limit, "num_fewshot": num_fewshot}
+    return {"tasks": rows, **average(rows), "groups": group_averages(rows), "limit": limit,
+            "num_fewshot": num_fewshot}

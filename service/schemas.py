@@ -184,7 +184,8 @@ class Evaluation(_Strict):
         [],
         max_length=len(TASKS) + 1,
         exclude_if=lambda value: not value,
-        description=f"Downstream tasks scored with lm-eval: {', '.join(TASKS)}, or avg6 for the paper's six; "
+        description=f"Downstream tasks scored with lm-eval: {', '.join(TASKS)}, or a group: avg5 (arc_easy, "
+        "arc_challenge, hellaswag, piqa, mathqa: the headline) or avg6 (those and boolq, the paper's six); "
         "metrics.json then carries downstream accuracy.",
     )
     limit: int | None = Field(
