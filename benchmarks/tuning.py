@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import sys
 import tempfile
@@ -51,6 +52,13 @@ DESIGNS: dict[str, dict] = {
     "calibration_text": {"default": {}, "tokenized (<unk>)": {"calib": "wikitext2-tokenized"}},
 }
 """Design switches: named alternatives, each a set of `CompressOptions` fields."""
+
+WHOLE_MODEL_DESIGNS: dict[str, dict] = {
+    "mlp_structure": {"default": {}, "shared U2 too (Tucker as Q/K/V)": {"ablate": ("mlp_mode2",)},
+                      "per matrix": {"ablate": ("mlp_per_matrix",)}},
+}
+"""Design switches of the whole-model scope (§17), measured at `WHOLE_MODEL_RATIO` with `scope="model"`."""
+WHOLE_MODEL_RATIO = 0.6
 
 
 @contextlib.contextmanager
@@ -99,11 +107,18 @@ def cells(only: list[str] | None, ratios: list[float]) -> Iterator[tuple[str, st
         for label, fields in alternatives.items():
             for ratio in ratios:
                 yield name, label, ratio, fields
+    for name, alternatives in WHOLE_MODEL_DESIGNS.items():
+        if only and name not in only:
+            continue
+        for label, fields in alternatives.items():
+            yield name, label, WHOLE_MODEL_RATIO, {"scope": "model", **fields}
 
 
 def key(group: str, label: str, ratio: float, defaults: dict) -> str:
-    """A cell's name; every default value shares the one cell of the default options."""
-    return f"default@{ratio}" if defaults.get(group) == label else f"{group}={label}@{ratio}"
+    """A cell's name; every default value shares the one cell of the default options (of the attention
+    scope: the whole-model designs keep their own)."""
+    shared = defaults.get(group) == label and group not in WHOLE_MODEL_DESIGNS
+    return f"default@{ratio}" if shared else f"{group}={label}@{ratio}"
 
 
 def render(results: dict) -> str:
@@ -115,14 +130,18 @@ def render(results: dict) -> str:
     if "dense" in results:
         lines += [f"Dense (uncompressed) perplexity on the same windows: **{results['dense']['ppl']:.2f}**.", ""]
     cells_ = results["cells"]
-    ratios = sorted({c["ratio"] for c in cells_.values()}, reverse=True)
-    for group in [*CONSTANTS, *DESIGNS]:
+    for group in [*CONSTANTS, *DESIGNS, *WHOLE_MODEL_DESIGNS]:
         default = results["defaults"].get(group)
         rows = [c for c in cells_.values() if c["group"] == group]
         if not rows:
             continue
-        rows += [{**c, "label": default} for c in cells_.values() if c["group"] == "default"]
-        lines += [f"## {group}", "", "| value | " + " | ".join(f"rho {r}" for r in ratios) + " |",
+        if group in WHOLE_MODEL_DESIGNS:
+            title = f"{group} (scope `model`: rho is the keep ratio of all seven projections)"
+        else:
+            title = group
+            rows += [{**c, "label": default} for c in cells_.values() if c["group"] == "default"]
+        ratios = sorted({c["ratio"] for c in rows}, reverse=True)
+        lines += [f"## {title}", "", "| value | " + " | ".join(f"rho {r}" for r in ratios) + " |",
                   "|---|" + "---|" * len(ratios)]
         labels = sorted(dict.fromkeys(c["label"] for c in rows), key=lambda label: (label != default, label))
         best = {r: min((c["ppl"] for c in rows if c["ratio"] == r), default=None) for r in ratios}
@@ -142,15 +161,26 @@ def render(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["run", "render"], default="run")
-    parser.add_argument("--only", nargs="*", choices=[*CONSTANTS, *DESIGNS])
+    parser.add_argument("--only", nargs="*", choices=[*CONSTANTS, *DESIGNS, *WHOLE_MODEL_DESIGNS])
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.4, 0.2])
     parser.add_argument("--out", type=Path, default=RESULTS / "tuning.json")
     args = parser.parse_args()
     results = json.loads(args.out.read_text()) if args.out.exists() else {"cells": {}, "commands": []}
 
     def save() -> None:
-        args.out.write_text(json.dumps(results, indent=2))
-        args.out.with_suffix(".md").write_text(render(results))
+        """Merged into the file as it is now, under a lock: several processes (one per core, different
+        `--only`) fill one table."""
+        with open(args.out.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if args.out.exists():
+                held = json.loads(args.out.read_text())
+                results["cells"] = {**held.get("cells", {}), **results["cells"]}
+                results["commands"] = list(dict.fromkeys([*held.get("commands", []), *results["commands"]]))
+                results.setdefault("dense", held.get("dense"))
+                if results["dense"] is None:
+                    del results["dense"]
+            args.out.write_text(json.dumps(results, indent=2))
+            args.out.with_suffix(".md").write_text(render(results))
 
     if args.part == "render":
         save()
@@ -165,7 +195,7 @@ def main() -> None:
         results["dense"] = perplexity(model, tune_ids, 512, WINDOWS, progress=False)
         save()
     results["defaults"] = {name: repr(current(attribute)) for name, (attribute, _) in CONSTANTS.items()}
-    results["defaults"].update({name: "default" for name in DESIGNS})
+    results["defaults"].update({name: "default" for name in [*DESIGNS, *WHOLE_MODEL_DESIGNS]})
     base = CompressOptions(device="cpu", calib_samples=32, seq_len=512, seed=0)
     for group, label, ratio, how in cells(args.only, args.ratios):
         name = key(group, label, ratio, results["defaults"])

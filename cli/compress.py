@@ -13,7 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from cli.common import UsageError, writable_out
-from ftc.options import ABLATIONS, ALLOCATIONS, BATCH_SIZE, DEVICES, DTYPES, METHODS, SCOPES, InputError
+from ftc.options import (
+    ABLATIONS,
+    ALLOCATIONS,
+    BATCH_SIZE,
+    DEFAULT_ALLOCATION,
+    DEVICES,
+    DTYPES,
+    METHODS,
+    SCOPES,
+    InputError,
+)
 
 
 def check_inputs(model: str, device: str, datasets: list[tuple[str, str]]) -> None:
@@ -56,10 +66,11 @@ REFERENCE = MeasuredSpeed(
 """The measured constants behind `--dry-run`'s time estimate (tests/cli/test_dry_run.py checks them
 against the results file, so a new measurement that changes them fails until they are copied)."""
 
-SENSITIVITY_DENSE_PASSES = 45
-"""What `--allocation sensitivity` and asvd's rank search add the first time for a model and its
-calibration, in dense passes (measured on SmolLM2: the layer list took 23 minutes on two threads;
-kept in FTC_CACHE_DIR afterwards)."""
+FIRST_TIME_DENSE_PASSES = {"asvd": 45, "sensitivity": 6}
+"""What a measured plan adds the first time for a model and its calibration, in dense passes over
+the calibration tokens (kept in FTC_CACHE_DIR, or a service's object store, afterwards): asvd's rank
+search, the whole model resident (its list took 41 minutes on SmolLM2 on two threads, about 45
+passes); `--allocation sensitivity`'s streamed layer list (benchmarks/results/plans.md)."""
 
 
 @dataclass(frozen=True)
@@ -70,39 +81,24 @@ class Estimate:
     artifact_bytes: int
 
 
-def dense_params(model: str) -> int:
-    """Parameters of the uncompressed model, a tied output head counted once (as the manifest's
-    `model_params_dense`), read from the config on the meta device; a multimodal checkpoint counts
-    its text decoder, the part that is compressed. Used until `plan` reports `dense_params` itself."""
-    from ftc.arch import TEXT_PARTS
-    from ftc.models import resolve_model
-    from ftc.weights import load_config, skeleton, text_model_config
-
-    config = load_config(resolve_model(model))
-    if config.model_type in TEXT_PARTS:
-        config = text_model_config(config, TEXT_PARTS[config.model_type])
-    module = skeleton(config)
-    count = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
-    head, embedding = module.get_output_embeddings(), module.get_input_embeddings()
-    if getattr(config, "tie_word_embeddings", False) and head is not None and head.weight is not embedding.weight:
-        count -= head.weight.numel()
-    return count
+def kept_values(planned: dict[str, Any]) -> int:
+    """Values the artifact stores: every parameter as it is, but the compressed parts at their budgets."""
+    parts = planned["parts_per_layer"].values()
+    removed = sum(p["params"] - p["budget_values"] for p in parts if p["budget_values"] is not None)
+    return planned["model_params_dense"] - planned["layers"] * removed
 
 
-def estimate_run(options, planned: dict[str, Any], params: int) -> Estimate:
-    """Time from the measured speed scaled by decoder parameters x calibration tokens; size from what
-    the artifact stores: every weight outside the attention as it is, and the kept attention values,
-    all in the storage dtype."""
+def estimate_run(options, planned: dict[str, Any]) -> Estimate:
+    """Time from the measured speed scaled by decoder parameters x calibration tokens (a whole-model
+    scope's MLP math taken as the attention's, per parameter); size from what the artifact stores,
+    in the storage dtype."""
     decoder = planned["layers"] * planned["estimated_peak_bytes"]["one_layer_float32"] // 4
     dense_pass = REFERENCE.dense_forward_seconds * (decoder * planned["calibration_tokens"]) / (
         REFERENCE.decoder_params * REFERENCE.tokens)
-    whole_model = planned["estimated_peak_bytes"]["whole_model_for_the_plan"] > 0
-    qkv = planned["qkv_shape"][0] * planned["qkv_shape"][1] * planned["qkv_shape"][2]
-    attention = planned["layers"] * (qkv + planned["o_shape"][0] * planned["o_shape"][1])
+    plan = "asvd" if options.method == "asvd" else options.allocation
     value_bytes = {"float16": 2, "bfloat16": 2, "float32": 4}[options.dtype]
-    kept = params - attention + planned["attention_budget_values"]
     return Estimate(REFERENCE.compress_over_dense * dense_pass,
-                    SENSITIVITY_DENSE_PASSES * dense_pass if whole_model else 0.0, kept * value_bytes)
+                    FIRST_TIME_DENSE_PASSES.get(plan, 0) * dense_pass, kept_values(planned) * value_bytes)
 
 
 def _duration(seconds: float) -> str:
@@ -131,14 +127,16 @@ def summary(options, planned: dict[str, Any], estimate: Estimate) -> str:
         f"stored as {options.dtype}" + (f", without {', '.join(options.ablate)}" if options.ablate else ""),
         f"calibration  {options.calib_samples} x {options.seq_len} = {planned['calibration_tokens']} tokens of "
         f"{options.calib}",
-        f"attention    keeps {_count(planned['attention_budget_values'])} values of its Q/K/V and O weights",
+        f"kept         {_count(kept_values(planned))} of {_count(planned['model_params_dense'])} values "
+        f"({'the attention' if planned['scope'] == 'attention' else 'all seven projections'} at keep ratio "
+        f"{options.ratio}: {100 * planned['linear_reduction']:.0f}% of the decoder's linear weights removed)",
         f"memory       about {human_bytes(planned['estimated_peak_bytes']['total'])} at the peak (one layer "
         "in float32, the calibration stream, the workspace)",
         f"time         about {_duration(estimate.seconds)} on one CPU thread{first}; more threads or a GPU are "
         f"faster (scaled from {REFERENCE.model}: {REFERENCE.compress_over_dense:.2f}x a dense pass over the "
         "calibration, see docs/results.md)",
-        f"output       about {human_bytes(estimate.artifact_bytes)} ({options.dtype}: the weights outside "
-        "the attention as they are, plus the kept attention values)",
+        f"output       about {human_bytes(estimate.artifact_bytes)} ({options.dtype}: the weights not compressed "
+        "as they are, plus the kept values)",
         "(--json prints the whole plan)",
     ]
     return "\n".join(lines)
@@ -172,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(planned, indent=2))
         else:
-            estimate = estimate_run(options, planned, planned.get("dense_params") or dense_params(options.model))
+            estimate = estimate_run(options, planned)
             print(summary(options, planned, estimate))
         return 0
     if args.out is None:
@@ -215,10 +213,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--ablate", default="", help=f"comma list of: {', '.join(ABLATIONS)}")
     c.add_argument("--batch-size", type=int, default=BATCH_SIZE,
                    help="calibration sequences per forward; more is faster where memory allows")
-    c.add_argument("--allocation", default="uniform", choices=ALLOCATIONS,
-                   help="rho in every layer (uniform), one model-wide budget split by measured curves (global, "
-                        "ftc), or layer budgets from the measured divergence of each layer compressed alone "
-                        "(sensitivity, ftc and cp; needs the whole model in memory for its plan)")
+    c.add_argument("--allocation", default=None, choices=ALLOCATIONS,
+                   help=f"rho in every layer (uniform), one model-wide budget split by measured curves (global, "
+                        f"ftc), or layer and part budgets from measured divergences (sensitivity, ftc and cp; its "
+                        f"plan is measured once per model and calibration and kept). Default: {DEFAULT_ALLOCATION} "
+                        f"where the method takes it, else uniform")
     c.add_argument("--scope", default="attention", choices=SCOPES,
                    help="what --ratio is the keep ratio of: the attention projections (q, k, v, o) or all seven "
                         "linear projections of every decoder layer (model: the MLP's gate, up and down too)")

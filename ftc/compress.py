@@ -8,6 +8,7 @@ artifact assembled from those checkpoints at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import shutil
@@ -31,6 +32,7 @@ from .options import (
     METHODS,
     SCOPES,
     InputError,
+    default_allocation,
     method_ratio_problem,
     parse_ablations,
     scope_problem,
@@ -61,7 +63,8 @@ class CompressOptions:
     device: str = "auto"
     ablate: tuple[str, ...] = field(default_factory=tuple)
     batch_size: int = BATCH_SIZE
-    allocation: str = "uniform"
+    allocation: str | None = None
+    """None: the method's default (`ftc.options.default_allocation`), resolved by `validate`."""
     scope: str = "attention"
 
     def validate(self) -> CompressOptions:
@@ -69,6 +72,8 @@ class CompressOptions:
         validate_ratio(self.ratio)
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.allocation is None:
+            self.allocation = default_allocation(self.method)
         if self.allocation not in ALLOCATIONS:
             raise InputError(f"unknown allocation {self.allocation!r}; choose from {', '.join(ALLOCATIONS)}")
         if self.scope not in SCOPES:
@@ -136,6 +141,7 @@ def compress(
     progress: bool = True,
     on_layer=None,
     plan_store: PlanStore | None = None,
+    budgets: list[dict] | None = None,
 ) -> dict:
     """Compress `options.model` and write the artifact to `out_dir`; returns the manifest.
 
@@ -143,6 +149,8 @@ def compress(
     resumes at the first unfinished layer. Without it a temporary folder is used and removed.
     `loaded = (model, tokenizer, source)` takes weights from a model already in memory. `plan_store`
     shares the layer lists of `--allocation sensitivity` beyond this machine (a service's object store).
+    `budgets` (per layer, stored values by part) replaces the allocation's own plan: a plan made
+    elsewhere, as a benchmark comparing plans makes them.
     """
     options.validate()
     t0 = time.perf_counter()
@@ -155,7 +163,9 @@ def compress(
     calib = calibration_batch(tokenizer, options, layout.hidden) if method.needs_data else None
     if loaded is None:
         tokenizer = None  # tens of MB held through every layer otherwise; the artifact reloads it
-    if method.plans:
+    if budgets is not None:
+        method = dataclasses.replace(method, budgets=tuple(budgets))
+    elif method.plans:
         method = plan_budgets(method, weights, layout, calib, options, device, progress, plan_store=plan_store,
                               resident=None if loaded is None else loaded[0])
     temporary = work_dir is None

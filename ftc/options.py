@@ -53,6 +53,15 @@ method), and the methods each applies to: `global`, one model-wide budget split 
 error-versus-budget curves (ftc-method.md §13); `sensitivity`, layer budgets from the KL
 divergence each layer's attention causes when the method compresses it alone (§15)."""
 ALLOCATIONS: tuple[str, ...] = ("uniform", *ALLOCATION_METHODS)
+DEFAULT_ALLOCATION = "uniform"
+"""The allocation of a request that names none, for the methods that take it (`default_allocation`)."""
+
+
+def default_allocation(method: str) -> str:
+    """The allocation a request for `method` gets when it names none: `DEFAULT_ALLOCATION` where the
+    method takes it, `uniform` (which every method takes) elsewhere. The CLI, jobs and sweeps all
+    resolve an absent allocation through this one function."""
+    return DEFAULT_ALLOCATION if method in ALLOCATION_METHODS.get(DEFAULT_ALLOCATION, METHODS) else "uniform"
 
 SCOPES: tuple[str, ...] = ("attention", "model")
 """What `rho` is the keep ratio of: the attention projections of every decoder layer (Q, K, V, O; the
