@@ -169,8 +169,13 @@ class Cancellation:
 
 
 def request_digest(request: JobRequest, *, with_priority: bool) -> str:
-    """A stable hash of what a request asks for; priority changes when, not what, so it may be left out."""
+    """A stable hash of what a request asks for; priority changes when, not what, so it may be left out.
+
+    The allocation is hashed as resolved, so naming the method's default and leaving it out are the
+    same request; 'uniform' is left out, as requests were hashed before allocations were stored resolved."""
     body = request.model_dump(mode="json", by_alias=True, exclude={"priority"} if not with_priority else None)
+    if body.get("allocation") == "uniform":
+        del body["allocation"]
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -196,7 +201,7 @@ def record_from_hash(fields: dict[str, str]) -> JobRecord:
         cancel_requested=fields.get("cancel_requested") == "1",
         worker=fields.get("worker") or None,
         linked=json.loads(fields.get("linked") or "[]"),
-        request=JobRequest.model_validate_json(fields["request"]),
+        request=JobRequest.from_stored(fields["request"]),
     )
 
 

@@ -75,7 +75,7 @@ class Scheduler:
             fields = await self.sweeps.sweep_fields(sweep_id)
             if not fields:
                 continue
-            request = SweepRequest.model_validate_json(fields["request"])
+            request = SweepRequest.from_stored(fields["request"])
             if request.schedule is None:
                 continue
             slot = latest_slot(request.schedule, request.timezone, now)

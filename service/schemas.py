@@ -24,12 +24,18 @@ from pydantic import (
 from ftc.hub import parse_hub_id
 from ftc.options import (
     ABLATIONS,
+    ALLOCATION_METHODS,
     ALLOCATIONS,
     DATASETS,
+    DEFAULT_ALLOCATION,
+    DTYPES,
     METHODS,
     MODEL_ALIASES,
+    SCOPES,
+    default_allocation,
     method_ratio_problem,
     parse_ablations,
+    scope_problem,
     validate_ratio,
 )
 from ftc.tasks import TASKS, parse_tasks
@@ -156,6 +162,45 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+STORED: dict[str, bool] = {"stored": True}
+"""Validation context of a request read back from Redis (`JobRequest.from_stored`, `SweepRequest.from_stored`)."""
+
+
+def stored_before_allocation(data: Any, info: ValidationInfo) -> Any:
+    """A stored request as it was meant when stored: requests kept before `allocation` was written out
+    left it out when it was 'uniform', the only default there was. Read them so, not as today's
+    default (a new request names its allocation once resolved)."""
+    if info.context == STORED and isinstance(data, dict):
+        return {"allocation": "uniform", **data}
+    return data
+
+
+def allocation_default_text() -> str:
+    """What an absent `allocation` resolves to, in words, read from `ftc.options` (never a copy of it)."""
+    takers = ALLOCATION_METHODS.get(DEFAULT_ALLOCATION)
+    if takers is None:
+        return f"{DEFAULT_ALLOCATION!r} for every method"
+    return f"{DEFAULT_ALLOCATION!r} for method {' and '.join(map(repr, takers))}, 'uniform' for the others"
+
+
+def defaulted_hint(method: str, allocation: str) -> str:
+    """What to add to a problem of an allocation the request did not name: it was the method's default."""
+    return f"; or pass allocation 'uniform' (method {method!r} defaults to {allocation!r})"
+
+
+ALLOCATION_KINDS = (
+    "How rho is spent: 'uniform', the same keep ratio in every layer (the paper); 'global', one budget for the "
+    "whole attention stack split by measured error curves (method 'ftc'; ftc-method.md §13); 'sensitivity', "
+    "budgets from the divergence each layer's units cause compressed alone, measured once per model, "
+    "calibration, method and scope and shared by the workers (GET /v1/plans; methods 'ftc' and 'cp'; §15)."
+)
+SCOPE_HELP = (
+    "What rho is the keep ratio of: 'attention', the Q, K, V and O projections of every decoder layer (the "
+    "paper's); 'model', all seven linear projections (the MLP's gate, up and down too: the whole-model ratio "
+    "the SVD papers quote as 1 - rho). ftc-method.md §1, §17."
+)
+
+
 class Calibration(_Strict):
     dataset: DatasetName = Field("wikitext2", description="A built-in dataset name or an upload URI.")
     # 32, as `ftc compress` (ftc.compress.CompressOptions.calib_samples): one default everywhere
@@ -228,14 +273,26 @@ class JobRequest(_Strict):
         "ftc", description="FTC or a baseline (ftc-method.md §11)."
     )
     ablate: list[str] = Field([], description=f"FTC components to remove (ablations): {', '.join(ABLATIONS)}.")
-    # Left out of stored requests when it is the default, so requests stored before it existed stay equal.
+    # Stored resolved: the record says what runs, and a later change of the default leaves queued jobs alone.
     allocation: Literal[ALLOCATIONS] = Field(  # type: ignore[valid-type]
-        "uniform",
-        exclude_if=lambda value: value == "uniform",
-        description="How rho is spent: 'uniform', the same keep ratio in every layer (the paper); "
-        "'global', one budget for the whole attention stack split by measured error curves (method "
-        "'ftc'; ftc-method.md §13); 'sensitivity', layer budgets from the measured divergence of each "
-        "layer compressed alone (methods 'ftc' and 'cp'; §15).",
+        None,
+        validate_default=True,
+        description=f"{ALLOCATION_KINDS} (default: the method's, ftc.options.default_allocation: "
+        f"{allocation_default_text()}; the job record holds the value it resolved to)",
+    )
+    # Left out of stored requests when it is the default, so requests stored before it existed stay equal.
+    scope: Literal[SCOPES] = Field(  # type: ignore[valid-type]
+        "attention",
+        validate_default=True,  # the default must fit the ablations too (the MLP's need 'model')
+        exclude_if=lambda value: value == "attention",
+        description=SCOPE_HELP,
+    )
+    # Left out of stored requests when it is the default, like scope.
+    dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
+        "float16",
+        exclude_if=lambda value: value == "float16",
+        description="Storage dtype of the compressed factors: the budget counts values, the artifact's bytes "
+        "follow from this.",
     )
     ratio: KeepRatio | None = Field(None, description="Keep ratio rho in (0, 1].")
     ratios: list[KeepRatio] | None = Field(
@@ -263,6 +320,31 @@ class JobRequest(_Strict):
         if isinstance(value, list) and all(isinstance(name, str) for name in value):
             return list(parse_ablations(value))
         raise ValueError("ablate must be a list of names or a comma-separated string")
+
+    _stored = model_validator(mode="before")(stored_before_allocation)
+
+    @classmethod
+    def from_stored(cls, text: str) -> JobRequest:
+        """A request as the job store keeps it (JSON), read as it was meant when it was stored."""
+        return cls.model_validate_json(text, context=STORED)
+
+    @field_validator("allocation", mode="before")
+    @classmethod
+    def _method_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """Absent (or null): the method's default, through the one function that decides it."""
+        if value is not None:
+            return value
+        method = info.data.get("method")
+        return default_allocation(method) if method is not None else "uniform"  # a bad method has its own error
+
+    @field_validator("scope")
+    @classmethod
+    def _scope_fits(cls, value: str, info: ValidationInfo) -> str:
+        method, allocation = info.data.get("method"), info.data.get("allocation")
+        if method is not None and allocation is not None:
+            if problem := scope_problem(method, allocation, info.data.get("ablate") or [], value):
+                raise ValueError(problem)
+        return value
 
     @field_validator("revision")
     @classmethod
@@ -316,6 +398,8 @@ class JobRequest(_Strict):
             raise ValueError(f"ablate removes FTC components; it needs method 'ftc', not {self.method!r}")
         for ratio in self.keep_ratios():
             if problem := method_ratio_problem(self.method, ratio, self.allocation):
+                if "allocation" not in self.model_fields_set:  # the default chose it: say how to choose another
+                    problem += defaulted_hint(self.method, self.allocation)
                 raise ValueError(problem)
         return self
 

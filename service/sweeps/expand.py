@@ -46,6 +46,8 @@ def job_sets(request: SweepRequest) -> list[JobRequest]:
                     model=model,
                     method=method,
                     ablate=list(ablate),
+                    allocation=request.allocation_for(method),
+                    scope=request.scope,
                     ratios=list(request.ratios),
                     calibration=request.calibration,
                     evaluation=evaluation,

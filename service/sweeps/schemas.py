@@ -22,8 +22,20 @@ from pydantic import (
     model_validator,
 )
 
-from ftc.options import METHODS, method_ratio_problem, parse_ablations
+from ftc.options import (
+    ALLOCATION_METHODS,
+    ALLOCATIONS,
+    METHODS,
+    SCOPES,
+    default_allocation,
+    method_ratio_problem,
+    parse_ablations,
+    scope_problem,
+)
 from service.schemas import (
+    ALLOCATION_KINDS,
+    SCOPE_HELP,
+    STORED,
     Calibration,
     Evaluation,
     JobRequest,
@@ -33,6 +45,8 @@ from service.schemas import (
     Progress,
     budget_problem,
     calibration_problem,
+    defaulted_hint,
+    stored_before_allocation,
 )
 from service.sweeps.cron import check_schedule, check_timezone
 
@@ -66,6 +80,26 @@ ModelName = Annotated[str, AfterValidator(check_model_name)]
 AblationSet = Annotated[list[str], Field(max_length=7)]
 
 
+def allocation_of(allocation: str, method: str) -> str:
+    """The allocation `method`'s jobs run: the sweep's where the method takes it, else 'uniform', as
+    `ftc.options.default_allocation` gives the default: one campaign compares FTC's allocation with
+    baselines that have none."""
+    takers = ALLOCATION_METHODS.get(allocation)
+    return allocation if takers is None or method in takers else "uniform"
+
+
+def default_sweep_allocation(methods: list[str]) -> str:
+    """The one allocation that gives every method of the sweep its own default (`default_allocation`)
+    through `allocation_of`: the default of the methods that have one other than 'uniform'."""
+    defaults = {method: default_allocation(method) for method in methods}
+    chosen = sorted(set(defaults.values()) - {"uniform"})
+    allocation = chosen[0] if chosen else "uniform"
+    if any(allocation_of(allocation, method) != default for method, default in defaults.items()):
+        shown = ", ".join(f"{method}: {default}" for method, default in defaults.items())
+        raise ValueError(f"no one allocation gives each method its default ({shown}); name allocation")
+    return allocation
+
+
 class SweepRequest(BaseModel):
     """A campaign: every model x method (x ablation set for FTC) x keep ratio becomes one job per run."""
 
@@ -84,6 +118,17 @@ class SweepRequest(BaseModel):
         min_length=1,
         max_length=MAX_ABLATION_SETS,
         description="FTC variants: each set of removed components is one more FTC line; [] is plain FTC.",
+    )
+    # Stored resolved, so a campaign keeps its allocation when the library's default changes.
+    allocation: Literal[ALLOCATIONS] = Field(  # type: ignore[valid-type]
+        None,
+        validate_default=True,
+        description=f"{ALLOCATION_KINDS} It applies to the methods that take it; the others run 'uniform' "
+        "(default: each method's own, ftc.options.default_allocation; the sweep holds the value it resolved to)",
+    )
+    # Left out of stored requests when it is the default, as in a job request.
+    scope: Literal[SCOPES] = Field(  # type: ignore[valid-type]
+        "attention", validate_default=True, exclude_if=lambda value: value == "attention", description=SCOPE_HELP
     )
     calibration: Calibration = Field(default_factory=Calibration)
     evaluation: Evaluation = Field(default_factory=Evaluation, alias="eval")
@@ -116,14 +161,41 @@ class SweepRequest(BaseModel):
                     raise ValueError(problem)
         return ratios
 
-    @field_validator("methods")
+    _stored = model_validator(mode="before")(stored_before_allocation)
+
     @classmethod
-    def _every_ratio_within_reach_of_every_method(cls, methods: list[str], info: ValidationInfo) -> list[str]:
-        for method in methods:
-            for ratio in info.data.get("ratios") or []:
-                if problem := method_ratio_problem(method, ratio):
+    def from_stored(cls, text: str) -> SweepRequest:
+        """A campaign as the sweep store keeps it (JSON), read as it was meant when it was stored."""
+        return cls.model_validate_json(text, context=STORED)
+
+    @field_validator("allocation", mode="before")
+    @classmethod
+    def _methods_default(cls, value: Any, info: ValidationInfo) -> Any:
+        methods = info.data.get("methods")
+        if value is not None or methods is None:  # bad methods have their own error
+            return "uniform" if value is None else value
+        return default_sweep_allocation(methods)
+
+    @field_validator("allocation")
+    @classmethod
+    def _some_method_takes_it(cls, value: str, info: ValidationInfo) -> str:
+        takers = ALLOCATION_METHODS.get(value)
+        methods = info.data.get("methods") or []
+        if takers is not None and methods and not set(methods) & set(takers):
+            raise ValueError(f"allocation {value!r} applies to method {' or '.join(map(repr, takers))} only, which "
+                             "methods does not list; add it or leave allocation out")
+        return value
+
+    @field_validator("scope")
+    @classmethod
+    def _scope_fits_every_line(cls, value: str, info: ValidationInfo) -> str:
+        allocation = info.data.get("allocation")
+        sets = [tuple(s) for s in info.data.get("ablations") or [[]]]
+        for method in info.data.get("methods") or [] if allocation is not None else []:
+            for ablate in sets if method == "ftc" else [()]:
+                if problem := scope_problem(method, allocation_of(allocation, method), ablate, value):
                     raise ValueError(problem)
-        return methods
+        return value
 
     @field_validator("calibration")
     @classmethod
@@ -157,6 +229,12 @@ class SweepRequest(BaseModel):
             raise ValueError("ablations remove FTC components; add 'ftc' to methods or drop the ablations")
         if self.evaluation.dense_reference:
             raise ValueError("eval.dense_reference is set by the sweep itself (once per model); leave it out")
+        for method in self.methods:
+            for ratio in self.ratios:
+                if problem := method_ratio_problem(method, ratio, self.allocation_for(method)):
+                    if "allocation" not in self.model_fields_set:  # the default chose it: say how to choose another
+                        problem += defaulted_hint(method, self.allocation_for(method))
+                    raise ValueError(problem)
         cells = self.cell_count()
         if cells > MAX_CELLS:
             raise ValueError(
@@ -175,6 +253,10 @@ class SweepRequest(BaseModel):
 
     def cell_count(self) -> int:
         return len(self.models) * len(self.variants()) * len(self.ratios)
+
+    def allocation_for(self, method: str) -> str:
+        """The allocation of `method`'s jobs (`allocation_of`)."""
+        return allocation_of(self.allocation, method)
 
 
 def variant_label(method: str, ablate: list[str] | tuple[str, ...]) -> str:

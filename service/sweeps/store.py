@@ -274,7 +274,7 @@ class SweepStore:
         fields = await self.redis.hgetall(self.keys.sweep(sweep_id))
         if not fields or fields["team"] != team:
             raise KeyError(sweep_id)
-        request = SweepRequest.model_validate_json(fields["request"])
+        request = SweepRequest.from_stored(fields["request"])
         run_id, run_fields = self._planned_run(team, request, trigger, now, slot)
         keys = [
             self.keys.sweep(sweep_id),
@@ -322,7 +322,7 @@ class SweepStore:
         run = await self.redis.hgetall(run_key)
         if not sweep or not run or run.get("state") != "expanding":
             return
-        team, request = sweep["team"], SweepRequest.model_validate_json(sweep["request"])
+        team, request = sweep["team"], SweepRequest.from_stored(sweep["request"])
         cells = planned_cells(run)
         sets = job_sets(request)
         for group in sorted({c.group for c in cells if c.job_id is None}):
@@ -376,7 +376,7 @@ class SweepStore:
         """Freeze how the run ended, with its report, and take it off the open set; a sweep without a
         schedule and without another open run is no longer live."""
         sweep = await self.redis.hgetall(self.keys.sweep(sweep_id))
-        request = SweepRequest.model_validate_json(sweep["request"]) if sweep else None
+        request = SweepRequest.from_stored(sweep["request"]) if sweep else None
         others_open = any(s == sweep_id and r != run_id for s, r in await self.open_runs())
         async with self.redis.pipeline(transaction=True) as pipe:
             if request is not None and request.schedule is None and not others_open:
@@ -420,7 +420,7 @@ class SweepStore:
             team=sweep["team"],
             sweep_id=sweep_id,
             run_id=run_id,
-            request=SweepRequest.model_validate_json(sweep["request"]),
+            request=SweepRequest.from_stored(sweep["request"]),
             trigger=run["trigger"],
             created_at=float(run["created_at"]),
             cancelled=cancelled,
@@ -475,7 +475,7 @@ class SweepStore:
             detail = SweepRunDetail(**dict(run), cells=cells)
         return SweepRecord(
             **dict(summary),
-            request=SweepRequest.model_validate_json(fields["request"]),
+            request=SweepRequest.from_stored(fields["request"]),
             runs=[runs[run_id][0] for run_id in recent],
             run=detail,
         )
@@ -499,7 +499,7 @@ class SweepStore:
         return summaries, (page[-1] if more else None)
 
     async def _summary(self, fields: dict[str, str], latest: SweepRun | None, runs_total: int) -> SweepSummary:
-        request = SweepRequest.model_validate_json(fields["request"])
+        request = SweepRequest.from_stored(fields["request"])
         cancelled = "cancelled_at" in fields
         if cancelled:
             status = "cancelled"
