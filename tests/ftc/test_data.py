@@ -53,6 +53,8 @@ def test_text_and_jsonl_files(tmp_path):
         load_text(str(tmp_path / "c.jsonl"))
     with pytest.raises(DatasetError, match="unknown dataset"):
         load_text("c4")
+    with pytest.raises(DatasetError, match=r"dataset file .*missing\.jsonl does not exist"):
+        load_text(str(tmp_path / "missing.jsonl"), "validation")
 
 
 def test_ptb_is_read_from_the_data_dir(monkeypatch, tmp_path):
