@@ -17,7 +17,7 @@ from api.docs import add_offline_docs
 from api.errors import UnexpectedErrors, add_error_handlers
 from api.gate import RequestGate
 from api.metrics import RequestTimer
-from api.routes import artifacts, dashboard, events, health, jobs, sweeps, uploads
+from api.routes import artifacts, dashboard, events, health, jobs, plans, sweeps, uploads
 from api.sse import EventHub, StreamSlots
 from service.auth import ApiKeys
 from service.queue import run_janitor
@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(UnexpectedErrors)
     app.add_middleware(RequestTimer)
     add_error_handlers(app)
-    for module in (jobs, events, artifacts, uploads, sweeps, health, dashboard):
+    for module in (jobs, events, artifacts, uploads, sweeps, plans, health, dashboard):
         app.include_router(module.router)
     add_offline_docs(app)
     return app

@@ -118,6 +118,12 @@ class ApiClient:
     def sweep_files(self, sweep_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/sweeps/{sweep_id}/files")
 
+    def list_plans(self) -> dict[str, Any]:
+        return self._request("GET", "/v1/plans")
+
+    def delete_plan(self, key: str) -> dict[str, Any]:
+        return self._request("DELETE", f"/v1/plans/{key}")
+
     def events(self, job_id: str, reconnects: int = 5) -> Iterator[tuple[str, dict[str, Any]]]:
         """(event type, data) pairs until the job's final status; reconnects where it left off."""
         last_id: str | None = None

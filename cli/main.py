@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cli import compress, evaluate, export, service, sweeps, worker
+from cli import compress, evaluate, export, plans, service, sweeps, worker
 from cli.common import UsageError, fail, show_defaults
 from ftc import __version__
 from ftc.options import InputError
 
-COMMANDS = (compress, evaluate, export, service, sweeps, worker)
+COMMANDS = (compress, evaluate, export, service, sweeps, plans, worker)
 """Modules whose `register(subparsers)` adds their sub-commands, in the order `--help` lists them."""
 
 

@@ -157,10 +157,12 @@ def _scheduler(args: argparse.Namespace) -> int:
     from service.scheduler import run_scheduler
     from service.settings import Settings
     from service.store import store_for
+    from service.teams import policies_for
 
     try:
         settings = Settings()
-        store_for(settings)  # a bad store URL is reported here, in one line
+        store_for(settings)  # a bad store URL or FTC_TEAMS is reported here, in one line
+        policies_for(settings)
     except ValueError as error:
         return fail(str(error))
     configure_logging(settings.log_format)

@@ -15,12 +15,14 @@ def _worker(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from service.store import store_for
+    from service.teams import policies_for
     from workers.settings import WorkerSettings
 
     flags = {"device": args.device, "cpus_per_worker": args.cpus_per_worker, "models_dir": args.models_dir}
     try:
         settings = WorkerSettings(**{name: value for name, value in flags.items() if value is not None})
-        store_for(settings)  # an unusable store URL is reported here, not by every actor
+        store_for(settings)  # an unusable store URL or FTC_TEAMS is reported here, not by every actor
+        policies_for(settings)
     except (ValidationError, ValueError) as error:
         return fail(str(error))
     if args.num_workers is not None and args.num_workers < 1:

@@ -21,6 +21,7 @@ Layout under a prefix (default `ftc`):
     {p}:team:{team}:upload_bytes     string  bytes of the team's uploads
     {p}:team:{team}:streams          zset    the team's open event streams, scored by when they lapse
     {p}:queue:{priority}             stream  the one queue of a priority before fair dispatch (adopted)
+    {p}:plan:{team}:{key}            string  the worker measuring a shared layer plan (a lease, expires)
 
 Team names are `[a-z0-9_-]`, so `turns`, `clock` and `team:{team}` never meet.
 """
@@ -95,6 +96,10 @@ class Keys:
 
     def streams(self, team: str) -> str:
         return f"{self.prefix}:team:{team}:streams"
+
+    def plan_lease(self, team: str, key: str) -> str:
+        """Held by the worker measuring the team's layer plan `key` (service/plans.py)."""
+        return f"{self.prefix}:plan:{team}:{key}"
 
 
 LUA_PRELUDE = f"""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import redis
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry as SyncRetry
 
 from service.settings import Settings
 
@@ -39,3 +41,16 @@ def connect(settings: Settings, *, max_connections: int = MAX_CONNECTIONS) -> Re
         health_check_interval=0,
     )
     return Redis.from_pool(pool)
+
+
+def connect_sync(settings: Settings) -> redis.Redis:
+    """A blocking client with the same timeouts and retry as `connect`, for code that runs in a worker's
+    compression thread, away from its event loop (the shared layer plans' lease, service/plans.py)."""
+    return redis.Redis.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        socket_timeout=settings.redis_timeout_seconds,
+        socket_connect_timeout=settings.redis_timeout_seconds,
+        retry=SyncRetry(ExponentialBackoff(cap=0.05, base=0.01), retries=1, supported_errors=(RedisConnectionError,)),
+        health_check_interval=0,
+    )

@@ -15,12 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import redis
+
 from ftc.compress import CompressOptions, compress
 from ftc.models import resolve_model
 from ftc.tasks import task_file
 from ftc.weights import load_config
+from service.keys import Keys
 from service.logs import set_log_context
+from service.plans import SharedPlans
 from service.queue import Lease
+from service.redis_client import connect_sync
 from service.schemas import JobRecord, Progress
 from service.store import ObjectStore
 from service.store.layout import job_prefix
@@ -30,6 +35,7 @@ from workers.evaluation import evaluate
 from workers.inputs import compress_options, local_dataset, model_spec
 from workers.joblog import JobLog
 from workers.metrics import record_layer
+from workers.plans import StorePlans
 from workers.progress import ProgressClock
 from workers.publish import finalise, upload_outputs
 from workers.settings import WorkerSettings
@@ -78,6 +84,7 @@ class Attempt:
         self.artifact = self.folder / "artifact"
         self.clock = ProgressClock()
         self.timings: dict[str, float] = {}
+        self.plans: StorePlans | None = None
 
     def _report(self, progress: Progress) -> None:
         self.control.publish_from_thread(progress)
@@ -128,12 +135,36 @@ class Attempt:
 
     def _compress(self, inputs: Inputs) -> dict[str, Any]:
         set_log_context(layer=inputs.restored + 1)  # 1-based, as the progress lines count layers
-        manifest = compress(
-            inputs.options, self.artifact, work_dir=self.checkpoints.folder, progress=False, on_layer=self._layer_done
-        )
+        client = connect_sync(self.settings)  # connects on first use: only a job that plans does
+        try:
+            self.plans = self._plan_store(inputs, client)
+            manifest = compress(inputs.options, self.artifact, work_dir=self.checkpoints.folder, progress=False,
+                                on_layer=self._layer_done, plan_store=self.plans)
+        finally:
+            client.close()
         set_log_context(layer=None)
         log.info("compressed %d layers (%d resumed from checkpoints)", inputs.layers, manifest["resumed_from_layer"])
         return manifest
+
+    def _plan_store(self, inputs: Inputs, client: redis.Redis) -> StorePlans:
+        """The team's shared layer plans (service/plans.py), described by this job's request."""
+        request, planning = self.record.request, {"stage": False}
+
+        def stage(name: str) -> None:
+            planning["stage"] = True
+            self._report(self.clock.stage(name))
+
+        def ready() -> None:  # the layers' clock starts after the plan, or its first ETA counts the plan
+            if planning["stage"]:
+                self._report(self.clock.start_layers(inputs.layers, inputs.restored))
+
+        about = {"model": request.model, "revision": request.revision, "method": request.method,
+                 "ablate": list(request.ablate), "scope": request.scope, "dtype": request.dtype,
+                 "calibration": request.calibration.model_dump(), "job_id": self.record.id}
+        shared = SharedPlans(self.store, client, Keys(self.settings.key_prefix), self.record.team, about,
+                             lease_seconds=self.settings.lease_seconds, holder=f"{self.lease.worker}/{self.record.id}",
+                             check=self.control.check, report=stage)
+        return StorePlans(shared, ready)
 
     def _evaluate(self, inputs: Inputs) -> tuple[dict, dict | None]:
         """Perplexity (and task accuracy) of the artifact, and of the dense model when the request asks."""
@@ -164,11 +195,14 @@ class Attempt:
             "method": request.method,
             "ratio": request.ratio,
             "ablate": list(request.ablate),
-            "allocation": request.allocation,
+            "allocation": manifest["allocation"]["kind"],
+            "scope": request.scope,
+            "dtype": request.dtype,
             "eval": {"seq_len": evaluation.seq_len, "max_windows": evaluation.max_windows,
                      **({"tasks": evaluation.tasks, "limit": evaluation.limit} if evaluation.tasks else {})},
             "perplexity": evaluated.get("perplexity", {}),
             "storage": manifest["storage"],
+            "bytes_written": manifest.get("bytes_written"),
             "layers": layers,
             "resumed_from_layer": manifest["resumed_from_layer"],
             "attempt": self.lease.attempt,
@@ -176,6 +210,8 @@ class Attempt:
             "device": manifest["device"],
             "timings": self.timings,
         }
+        if self.plans is not None and self.plans.keys:
+            metrics["plan_key"] = self.plans.keys[-1]
         if "downstream" in evaluated:
             metrics["downstream"] = evaluated["downstream"]
         if dense is not None:

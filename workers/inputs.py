@@ -92,4 +92,6 @@ def compress_options(request: JobRequest, model: str, calibration: str, device: 
         device=device,
         ablate=tuple(request.ablate),
         allocation=request.allocation,
+        scope=request.scope,
+        dtype=request.dtype,
     ).validate()

@@ -7,6 +7,7 @@
 {team}/jobs/{job_id}/dense/...                 the dense export, when the job asked for it
 {team}/jobs/{job_id}/checkpoints/layer-XXX.safetensors   deleted FTC_KEEP_CHECKPOINTS after success
 {team}/uploads/{upload_id}/{filename}         calibration files sent with POST /v1/uploads
+{team}/plans/{key}.json                       layer plans of allocation 'sensitivity', shared by the workers
 """
 
 from __future__ import annotations
@@ -49,3 +50,12 @@ def uploads_prefix(team: str) -> str:
 
 def upload_key(team: str, upload_id: str, filename: str) -> str:
     return f"{uploads_prefix(team)}{upload_id}/{filename}"
+
+
+def plans_prefix(team: str) -> str:
+    return f"{team}/plans/"
+
+
+def plan_object(team: str, key: str) -> str:
+    """Where the team's layer plan `key` (`ftc.sensitivity.plan_key`) is kept."""
+    return f"{plans_prefix(team)}{key}.json"

@@ -162,12 +162,18 @@ def test_the_scheduler_command_writes_reports_and_stops_cleanly(cli_api: Api, tm
     assert cli_api.run(lambda s: s.redis.exists(f"{settings.key_prefix}:scheduler:lock")) == 0  # released
 
 
-def test_the_scheduler_command_refuses_unusable_settings() -> None:
-    env = {**os.environ, "FTC_STORE_URL": "gs://bucket/x", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+@pytest.mark.parametrize(("setting", "value", "ending"), [
+    ("FTC_STORE_URL", "gs://bucket/x", "use a folder path or s3://bucket/prefix"),
+    ("FTC_TEAMS", "{not json", "FTC_TEAMS is not JSON: Expecting property name enclosed in double quotes at line 1 "
+                               "column 2"),
+])
+def test_the_scheduler_command_refuses_unusable_settings(setting: str, value: str, ending: str) -> None:
+    env = {**os.environ, setting: value, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     result = subprocess.run(
         [sys.executable, "-m", "cli", "scheduler"], env=env, capture_output=True, text=True, timeout=60
     )
-    assert result.returncode == 2 and result.stderr.strip().endswith("use a folder path or s3://bucket/prefix")
+    assert result.returncode == 2 and result.stderr.strip().endswith(ending)
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_client_download_reports_http_errors_without_leaving_a_file(cli_api: Api, tmp_path: Path) -> None:

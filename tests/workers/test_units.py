@@ -244,6 +244,7 @@ def test_the_worker_command_loads_neither_ray_nor_torch_until_it_runs() -> None:
         (["--num-workers", "0"], {}, "--num-workers must be at least 1"),
         ([], {"FTC_STORE_URL": "ftp://nowhere"}, "use a folder path or s3://bucket/prefix"),
         ([], {"FTC_CPUS_PER_WORKER": "0"}, "cpus_per_worker"),
+        ([], {"FTC_TEAMS": '{"team-a": {"weight": 0}}'}, "FTC_TEAMS: team 'team-a': weight"),
     ],
 )
 def test_unusable_worker_settings_end_with_one_line_and_code_2(args: list[str], env: dict, message: str) -> None:
@@ -292,7 +293,10 @@ def test_a_checkpoint_upload_answered_503_is_retried(moto_server) -> None:
     assert store.get_bytes(PREFIX + checkpoint_name(0)) == b"tensors"
 
 
-def test_the_job_request_reaches_the_library_options_allocation_included() -> None:
+def test_the_job_request_reaches_the_library_options_allocation_scope_and_dtype_included() -> None:
     request = JobRequest.model_validate({**JOB_REQUEST, "allocation": "global", "ablate": ["no_anchor"]})
     options = compress_options(request, "smollm2-135m", "wikitext2", "cpu")
     assert (options.allocation, options.ablate, options.ratio) == ("global", ("no_anchor",), request.ratio)
+    whole = JobRequest.model_validate({**JOB_REQUEST, "scope": "model", "dtype": "bfloat16"})
+    options = compress_options(whole, "smollm2-135m", "wikitext2", "cpu")
+    assert (options.scope, options.dtype, options.allocation) == ("model", "bfloat16", whole.allocation)
