@@ -54,6 +54,18 @@ def _tasks_line(tasks: list[str], limit: int | None) -> list[str]:
             "(exact match for gsm8k), 'avg' their mean."]
 
 
+SCOPE_WORDS = {
+    "attention": "the Q, K, V and O projections of every decoder layer (the MLP stays dense)",
+    "model": "all seven linear projections of every decoder layer (1 - rho is the compression ratio the SVD "
+             "papers quote)",
+}
+
+
+def _scope_line(scope: str) -> str:
+    return (f"Scope {scope}: rho is the keep ratio of {SCOPE_WORDS.get(scope, scope)}. \"linear reduction\" is the "
+            "share of those seven projections removed, \"model reduction\" that of the whole checkpoint.")
+
+
 def _markdown(
     context: RunContext, rows: list[ResultRow], dense: dict, dense_accuracy: dict, comparison: Comparison
 ) -> str:
@@ -70,6 +82,7 @@ def _markdown(
         f"Calibration: {calibration.dataset}, {calibration.samples} x {calibration.seq_len} tokens, seed "
         f"{calibration.seed}. Evaluation: {', '.join(evaluation.datasets) or 'none'}, windows of "
         f'{evaluation.seq_len} tokens{windows}. "x dense" is the perplexity over the dense model\'s.',
+        _scope_line(request.scope),
         "",
         *_tasks_line(evaluation.tasks, evaluation.limit),
         "",
@@ -103,6 +116,8 @@ def build_report(
         "name": request.name,
         "created_at": context.created_at,
         "datasets": datasets,
+        "scope": request.scope,
+        "allocation": request.allocation,
         "dense": dense,
         **({"tasks": tasks, "dense_accuracy": dense_accuracy} if tasks else {}),
         "rows": [row.to_json() for row in rows],

@@ -7,7 +7,10 @@ The contract with the workers (docs/sweeps.md): `{team}/jobs/{job_id}/metrics.js
      "downstream": {"tasks": {"arc_easy": {"acc": 0.61, ...}, "gsm8k": {"exact_match": 0.02, ...}},
                     "avg": 0.48, ...},                            when eval.tasks was set
      "dense_downstream": {...},                                   the same for the dense model
-     "storage": {"attention_bytes_written": ..., "model_reduction": ...},   the manifest's accounting
+     "allocation": "uniform", "scope": "attention",               what the job ran
+     "storage": {"attention_bytes_written": ..., "linear_reduction": ..., "model_reduction": ...,
+                 "source_bytes": ...},                             the manifest's accounting
+     "bytes_written": ...,                                         the artifact's weights file
      "timings": {"total_seconds": ...}}
 
 A perplexity entry may also be a bare number. Anything missing leaves its cell empty instead of
@@ -38,7 +41,12 @@ class CellMetrics:
     accuracy: dict[str, float] = field(default_factory=dict)
     """Each task's headline score (acc; exact match for gsm8k) and their mean under `avg`."""
     dense_accuracy: dict[str, float] = field(default_factory=dict)
+    allocation: str | None = None
+    scope: str | None = None
+    bytes_written: int | None = None
+    source_bytes: int | None = None
     attention_bytes: int | None = None
+    linear_reduction: float | None = None
     model_reduction: float | None = None
     seconds: float | None = None
 
@@ -55,7 +63,15 @@ class ResultRow:
     perplexity: dict[str, float] = field(default_factory=dict)
     ratio_to_dense: dict[str, float] = field(default_factory=dict)
     accuracy: dict[str, float] = field(default_factory=dict)
+    allocation: str | None = None
+    scope: str | None = None
+    bytes_written: int | None = None
+    """The artifact's weights file."""
+    source_bytes: int | None = None
+    """The source checkpoint's weights, for the size the artifact saves."""
     attention_bytes: int | None = None
+    linear_reduction: float | None = None
+    """The share of the decoder's seven linear projections removed: the ratio the SVD papers quote."""
     model_reduction: float | None = None
     seconds: float | None = None
     error: str | None = None
@@ -88,6 +104,15 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _count(value: Any) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and math.isfinite(number) else None
+
+
+def _name(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _accuracy(section: Any) -> dict[str, float]:
     """Task -> headline score from a `downstream` section, plus `avg`; malformed entries are left out."""
     if not isinstance(section, Mapping) or not isinstance(section.get("tasks"), Mapping):
@@ -106,16 +131,29 @@ def parse_metrics(data: Any) -> CellMetrics:
         return CellMetrics()
     storage = data.get("storage") if isinstance(data.get("storage"), Mapping) else {}
     timings = data.get("timings") if isinstance(data.get("timings"), Mapping) else {}
-    attention_bytes = _number(storage.get("attention_bytes_written"))
     return CellMetrics(
         perplexity=_per_dataset(data.get("perplexity")),
         dense_perplexity=_per_dataset(data.get("dense_perplexity")),
         accuracy=_accuracy(data.get("downstream")),
         dense_accuracy=_accuracy(data.get("dense_downstream")),
-        attention_bytes=int(attention_bytes) if attention_bytes is not None else None,
+        allocation=_name(data.get("allocation")),
+        scope=_name(storage.get("scope", data.get("scope"))),
+        bytes_written=_count(data.get("bytes_written")),
+        source_bytes=_count(storage.get("source_bytes")),
+        attention_bytes=_count(storage.get("attention_bytes_written")),
+        linear_reduction=_number(storage.get("linear_reduction")),
         model_reduction=_number(storage.get("model_reduction")),
         seconds=_number(timings.get("total_seconds")),
     )
+
+
+STORAGE_FIELDS = ("allocation", "scope", "bytes_written", "source_bytes", "attention_bytes", "linear_reduction",
+                  "model_reduction")
+"""What a row takes from its job's metrics as they are (what ran, what it stored)."""
+
+
+def _storage_of(found: CellMetrics | None) -> dict[str, Any]:
+    return {name: getattr(found, name) if found else None for name in STORAGE_FIELDS}
 
 
 def read_metrics(store: ObjectStore, team: str, job_id: str) -> CellMetrics | None:
@@ -166,8 +204,7 @@ def result_rows(
                 perplexity=perplexity,
                 ratio_to_dense={d: p / reference[d] for d, p in perplexity.items() if d in reference},
                 accuracy=found.accuracy if found else {},
-                attention_bytes=found.attention_bytes if found else None,
-                model_reduction=found.model_reduction if found else None,
+                **_storage_of(found),
                 seconds=round(seconds, 3) if seconds is not None else None,
                 error=error,
             )

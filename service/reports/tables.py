@@ -1,8 +1,10 @@
 """The result table of a run as CSV (for scripts) and Markdown (for people).
 
-Columns: model, method, rho, then per evaluation dataset the perplexity and its ratio to the dense
-model, then per downstream task its accuracy and their average (`avg`), then storage (attention
-bytes written, whole-model reduction) and seconds. Each model's dense reference comes first as a
+Columns: model, method, the allocation it ran, rho, then per evaluation dataset the perplexity and
+its ratio to the dense model, then per downstream task its accuracy and their average (`avg`), then
+storage (the weights written, the attention's share of them, the reduction of the decoder's linear
+projections: the ratio the SVD papers quote, and of the whole checkpoint) and seconds. The CSV also
+has the scope and the source checkpoint's bytes. Each model's dense reference comes first as a
 `dense` row at rho 1.
 """
 
@@ -55,26 +57,27 @@ def csv_table(
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     columns = accuracy_columns(tasks)
+    storage = ["scope", "bytes_written", "source_bytes", "attention_bytes", "linear_reduction", "model_reduction"]
     writer.writerow(
-        ["model", "method", "rho", "status"]
+        ["model", "method", "allocation", "rho", "status"]
         + [f"ppl_{d}" for d in datasets]
         + [f"ratio_to_dense_{d}" for d in datasets]
         + [f"acc_{t}" for t in columns]
-        + ["attention_bytes", "model_reduction", "seconds", "job_id", "error"]
+        + [*storage, "seconds", "job_id", "error"]
     )
     for row in _ordered(rows, dense, dense_accuracy or {}):
         writer.writerow(
-            [row.model, row.method, row.ratio, row.status]
+            [row.model, row.method, row.allocation or "", row.ratio, row.status]
             + [_plain(row.perplexity.get(d)) for d in datasets]
             + [_plain(row.ratio_to_dense.get(d)) for d in datasets]
             + [_plain(row.accuracy.get(t)) for t in columns]
-            + [_plain(row.attention_bytes), _plain(row.model_reduction), _plain(row.seconds)]
-            + [row.job_id or "", row.error or ""]
+            + [row.scope or ""] + [_plain(getattr(row, name)) for name in storage[1:]]
+            + [_plain(row.seconds), row.job_id or "", row.error or ""]
         )
     return out.getvalue()
 
 
-def _plain(value: float | int | None) -> str:
+def _plain(value: float | int | str | None) -> str:
     if value is None:
         return ""
     return str(value) if isinstance(value, int) else f"{value:.10g}"  # full precision, without float noise
@@ -87,15 +90,15 @@ def markdown_table(
     tasks: Sequence[str] = (),
     dense_accuracy: dict[str, dict[str, float]] | None = None,
 ) -> str:
-    header = ["model", "method", "rho"]
+    header = ["model", "method", "allocation", "rho"]
     for d in datasets:
         header += [f"ppl {d}", "x dense"]
     columns = accuracy_columns(tasks)
     header += [f"acc {t} %" for t in columns]
-    header += ["attention MiB", "model reduction", "seconds"]
+    header += ["weights MiB", "attention MiB", "linear reduction", "model reduction", "seconds"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in _ordered(rows, dense, dense_accuracy or {}):
-        cells = [_escape(row.model), _escape(row.method), f"{row.ratio:g}"]
+        cells = [_escape(row.model), _escape(row.method), _escape(row.allocation or ""), f"{row.ratio:g}"]
         for d in datasets:
             value = row.perplexity.get(d)
             cells.append(f"{value:.3f}" if value is not None else row.status if row.status != "succeeded" else "-")
@@ -104,8 +107,10 @@ def markdown_table(
         for t in columns:
             accuracy = row.accuracy.get(t)
             cells.append(f"{100 * accuracy:.1f}" if accuracy is not None else "-")
-        cells.append(f"{row.attention_bytes / 2**20:.2f}" if row.attention_bytes is not None else "")
-        cells.append(f"{row.model_reduction:.1%}" if row.model_reduction is not None else "")
+        for size in (row.bytes_written, row.attention_bytes):
+            cells.append(f"{size / 2**20:.2f}" if size is not None else "")
+        for reduction in (row.linear_reduction, row.model_reduction):
+            cells.append(f"{reduction:.1%}" if reduction is not None else "")
         cells.append(f"{row.seconds:.0f}" if row.seconds is not None else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -33,7 +33,12 @@ ROWS = [
         0.8,
         21.0,
         ratio_to_dense={"wikitext2": 1.05},
+        allocation="sensitivity",
+        scope="model",
+        bytes_written=5 * 2**19,
+        source_bytes=4 * 2**20,
         attention_bytes=3 * 2**20,
+        linear_reduction=0.2,
         model_reduction=0.06,
         seconds=41.2,
         job_id="job_a",
@@ -49,15 +54,20 @@ def test_metrics_are_read_from_the_documented_shape_and_tolerate_bare_numbers() 
         {
             "perplexity": {"wikitext2": {"ppl": 31.5, "windows": 4}, "ptb": 44.0, "broken": {"ppl": "n/a"}},
             "dense_perplexity": {"wikitext2": {"ppl": 29.9}},
-            "storage": {"attention_bytes_written": 123456, "model_reduction": 0.12},
+            "storage": {"attention_bytes_written": 123456, "model_reduction": 0.12, "scope": "model",
+                        "linear_reduction": 0.4, "source_bytes": 270_000_000},
+            "allocation": "sensitivity", "scope": "model", "bytes_written": 160_000_000,
             "timings": {"total_seconds": 95.3},
         }
     )
     assert metrics.perplexity == {"wikitext2": 31.5, "ptb": 44.0}
     assert metrics.dense_perplexity == {"wikitext2": 29.9}
     assert (metrics.attention_bytes, metrics.model_reduction, metrics.seconds) == (123456, 0.12, 95.3)
-    empty = parse_metrics({"perplexity": "nonsense", "storage": [1, 2]})
+    assert (metrics.allocation, metrics.scope, metrics.linear_reduction) == ("sensitivity", "model", 0.4)
+    assert (metrics.bytes_written, metrics.source_bytes) == (160_000_000, 270_000_000)
+    empty = parse_metrics({"perplexity": "nonsense", "storage": [1, 2], "bytes_written": "n/a", "allocation": 3})
     assert (empty.perplexity, empty.attention_bytes, empty.seconds) == ({}, None, None)
+    assert (empty.bytes_written, empty.allocation, empty.scope) == (None, None, None)
     assert parse_metrics(["not", "a", "document"]).perplexity == {}
 
 
@@ -74,15 +84,18 @@ def test_csv_has_a_dense_row_then_each_method_by_decreasing_rho() -> None:
     ftc = table[3]
     assert (ftc["ppl_wikitext2"], ftc["ratio_to_dense_wikitext2"], ftc["attention_bytes"]) == ("21", "1.05", "3145728")
     assert (ftc["model_reduction"], ftc["seconds"], ftc["job_id"]) == ("0.06", "41.2", "job_a")
+    assert (ftc["allocation"], ftc["scope"], ftc["linear_reduction"]) == ("sensitivity", "model", "0.2")
+    assert (ftc["bytes_written"], ftc["source_bytes"]) == ("2621440", "4194304")
     assert table[2]["ppl_wikitext2"] == "" and table[2]["error"] == "CUDA out of memory | layer 3"
 
 
 def test_markdown_table_formats_values_and_keeps_cells_apart() -> None:
     lines = markdown_table(ROWS, DENSE, ["wikitext2"]).splitlines()
-    assert lines[0] == "| model | method | rho | ppl wikitext2 | x dense | attention MiB | model reduction | seconds |"
-    assert lines[2] == "| tiny | dense | 1 | 20.000 | 1.00x |  |  |  |"
-    assert lines[3] == "| tiny | ftc | 0.8 | 21.000 | 1.05x | 3.00 | 6.0% | 41 |"
-    assert lines[6] == "| tiny | svd_llm | 0.4 | failed |  |  |  |  |"
+    assert lines[0] == ("| model | method | allocation | rho | ppl wikitext2 | x dense | weights MiB | attention MiB "
+                        "| linear reduction | model reduction | seconds |")
+    assert lines[2] == "| tiny | dense |  | 1 | 20.000 | 1.00x |  |  |  |  |  |"
+    assert lines[3] == "| tiny | ftc | sensitivity | 0.8 | 21.000 | 1.05x | 2.50 | 3.00 | 20.0% | 6.0% | 41 |"
+    assert lines[6] == "| tiny | svd_llm |  | 0.4 | failed |  |  |  |  |  |  |"
     assert failures(ROWS) == ["- tiny svd_llm rho 0.4: failed (CUDA out of memory \\| layer 3), job `job_d`"]
 
 

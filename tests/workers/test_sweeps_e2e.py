@@ -96,6 +96,9 @@ def test_a_small_sweep_runs_end_to_end_and_leaves_its_table_and_plots_in_s3(
         assert float(row["ppl_wikitext2"]) == pytest.approx(measured, rel=1e-5)
         assert float(row["ratio_to_dense_wikitext2"]) == pytest.approx(measured / dense, rel=1e-5)
         assert int(row["attention_bytes"]) == metrics["storage"]["attention_bytes_written"] > 0
+        assert int(row["bytes_written"]) == metrics["bytes_written"] > 0
+        assert float(row["linear_reduction"]) == pytest.approx(metrics["storage"]["linear_reduction"], rel=1e-9)
+        assert (row["allocation"], row["scope"]) == (metrics["allocation"], "attention")
         assert float(row["seconds"]) > 0 and row["status"] == "succeeded"
         assert ("dense_perplexity" in metrics) == cell["dense_reference"] == (cell["method"] == "ftc")
 
@@ -113,7 +116,7 @@ def test_a_small_sweep_runs_end_to_end_and_leaves_its_table_and_plots_in_s3(
     for label in (f"{model} · wikitext2", "ftc", "svd_llm", "dense", "keep ratio"):
         assert label in text
     markdown = store.get_bytes(prefix + "results.md").decode()
-    [dense_line] = [line for line in markdown.splitlines() if line.startswith(f"| {model} | dense | 1 | ")]
-    assert float(dense_line.split(" | ")[3]) == pytest.approx(dense, abs=5e-4) and "| 1.00x |" in dense_line
+    [dense_line] = [line for line in markdown.splitlines() if line.startswith(f"| {model} | dense |  | 1 | ")]
+    assert float(dense_line.split(" | ")[4]) == pytest.approx(dense, abs=5e-4) and "| 1.00x |" in dense_line
     assert "4 cells, 4 succeeded" in markdown
     assert Path(scheduler.log_path).read_text().count("report written") == 1
