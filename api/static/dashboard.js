@@ -266,8 +266,10 @@ function fieldInput(field) {
   let read;
   const items = schema.items ? schema.items : null;
   if (schema.enum) {
-    input = el("select", { id }, ...schema.enum.map((value) => el("option", { value, selected: value === def }, value)));
-    read = () => (input.value === def ? undefined : input.value);
+    // no default (allocation: the method's own, resolved by the API): a blank first choice sends nothing
+    const unset = def == null ? [el("option", { value: "", selected: true }, "(default)")] : [];
+    input = el("select", { id }, ...unset, ...schema.enum.map((value) => el("option", { value, selected: value === def }, value)));
+    read = () => (input.value === (def ?? "") ? undefined : input.value);
   } else if (schema.type === "array" && items && items.enum) {
     input = el("span", { id, className: "choices" }, ...items.enum.map((value) =>
       el("label", {}, el("input", { type: "checkbox", value, checked: (def || []).includes(value) }), value)));
@@ -584,7 +586,13 @@ function metricLines(metrics) {
   }
   if (downstream.avg != null) lines.push(["tasks avg", percent(downstream.avg)]);
   const storage = metrics.storage || {};
+  if (storage.scope != null) lines.push(["scope", storage.scope]);
+  if (storage.linear_reduction != null) lines.push(["linear reduction", percent(storage.linear_reduction)]);
   if (storage.model_reduction != null) lines.push(["model reduction", percent(storage.model_reduction)]);
+  if (metrics.bytes_written != null) {
+    const source = storage.source_bytes ? ` (source ${humanBytes(storage.source_bytes)})` : "";
+    lines.push(["weights written", `${humanBytes(metrics.bytes_written)}${source}`]);
+  }
   if (storage.attention_bytes_written != null) lines.push(["attention written", humanBytes(storage.attention_bytes_written)]);
   const total = (metrics.timings || {}).total_seconds;
   if (total != null) lines.push(["time", formatSeconds(total)]);
@@ -603,6 +611,7 @@ function manifestLines(manifest) {
     ["method", `${manifest.method}${(options.ablate || []).length ? ` (${options.ablate.join(", ")})` : ""}`],
     ["keep ratio", String(manifest.ratio)],
     ["allocation", options.allocation || "uniform"],
+    ["scope", options.scope || "attention"],
     ["layers", String((manifest.layers || []).length)],
     ["calibration", calibration.samples ? `${calibration.samples} x ${calibration.seq_len} tokens of ${calibration.source}` : ""],
     ["storage dtype", options.dtype || ""],
@@ -699,11 +708,14 @@ function renderCompare(jobs) {
     ["method", (j) => methodText(j.record.request)],
     ["rho", (j) => String(j.record.request.ratio)],
     ["allocation", (j) => j.record.request.allocation || "uniform"],
+    ["scope", (j) => j.record.request.scope || "attention"],
     ["status", (j) => j.record.status],
     ...datasets.map((d) => [`perplexity ${d}`, (j) => fixed(ppl((j.metrics?.perplexity || {})[d]), 2)]),
     ...tasks.map((t) => [`${t}`, (j) => { const row = (j.metrics?.downstream?.tasks || {})[t]; return row ? percent(row.acc ?? row.exact_match) : ""; }]),
     ...(tasks.length ? [["tasks avg", (j) => percent(j.metrics?.downstream?.avg)]] : []),
+    ["linear reduction", (j) => percent(j.metrics?.storage?.linear_reduction)],
     ["model reduction", (j) => percent(j.metrics?.storage?.model_reduction)],
+    ["weights written", (j) => humanBytes(j.metrics?.bytes_written)],
     ["model files", (j) => (j.listing.complete ? humanBytes(modelBytes(j.listing)) : "")],
     ["time", (j) => { const t = j.metrics?.timings?.total_seconds ?? jobSeconds(j.record); return t == null ? "" : formatSeconds(t); }],
   ];

@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 from cli.download import human_bytes
+from ftc.options import default_allocation
 from service.schemas import Progress
 from service.store import open_store
 from service.store.layout import checkpoint_name, job_prefix
@@ -63,7 +64,10 @@ def test_jobs_and_sweeps_are_submitted_from_forms_built_from_the_schema(api: Api
     assert page.locator(".field.invalid").count() == 1  # the model field is fine now
 
     page.fill('.field[data-path="ratio"] input', "0.4")
+    allocation = page.locator('.field[data-path="allocation"] select')
+    assert allocation.input_value() == "" and allocation.locator("option").all_inner_texts()[0] == "(default)"
     page.select_option('.field[data-path="method"] select', "svd_llm")
+    page.select_option('.field[data-path="scope"] select', "model")
     page.check('.field[data-path="outputs"] input[value="dense"]')
     page.fill('.field[data-path="calibration.samples"] input', "8")
     page.fill('.field[data-path="eval.datasets"] input', "none")
@@ -74,6 +78,7 @@ def test_jobs_and_sweeps_are_submitted_from_forms_built_from_the_schema(api: Api
     request = client.get(f"/v1/jobs/{job_id}").json()["request"]
     assert (request["method"], request["outputs"], request["calibration"]["samples"]) == (
         "svd_llm", ["compressed", "dense"], 8)
+    assert (request["scope"], request["allocation"]) == ("model", default_allocation("svd_llm"))  # resolved, unsent
     assert request["eval"]["datasets"] == [] and request["calibration"]["seq_len"] == 512  # the default, unsent
     assert page.locator(".field.invalid").count() == 0 and page.inner_text("#form-error") == ""
 
@@ -97,6 +102,7 @@ def test_jobs_and_sweeps_are_submitted_from_forms_built_from_the_schema(api: Api
     sweep = client.get(f"/v1/sweeps/{sweep_id}").json()
     assert (sweep["request"]["methods"], sweep["request"]["ratios"], len(sweep["run"]["cells"])) == (
         ["ftc", "svd_llm"], [0.8, 0.4], 4)
+    assert sweep["request"]["allocation"] == default_allocation("ftc")  # the field left at (default)
     assert problems == []
 
 
@@ -116,7 +122,8 @@ def finished_job(api: Api, ratio: float, errors: list[float], ppl: float) -> str
     store = open_store(api.settings.store_url, api.settings.s3_endpoint_url)
     prefix = job_prefix("team-a", job_id)
     metrics = {"perplexity": {"wikitext2": {"ppl": ppl}}, "storage": {"model_reduction": 0.1 * ratio,
-               "attention_bytes_written": 700}, "timings": {"total_seconds": 95.0}}
+               "attention_bytes_written": 700, "scope": "attention", "linear_reduction": 0.15 * ratio,
+               "source_bytes": 3 * 2**20}, "bytes_written": 2**20, "timings": {"total_seconds": 95.0}}
     files = MODEL_FILES | {"metrics.json": json.dumps(metrics).encode(), checkpoint_name(0): b"layer"}
     for name, data in files.items():
         store.put_bytes(prefix + name, data)
@@ -154,8 +161,10 @@ def test_jobs_are_cancelled_retried_read_downloaded_and_compared(api: Api, brows
     page.wait_for_selector("#job-detail:not([hidden])", timeout=WAIT_MS)
     metrics = page.inner_text("#job-metrics")
     assert "perplexity wikitext2\t31.20" in metrics and "model reduction\t4.0%" in metrics and "time\t95 s" in metrics
+    assert "linear reduction\t6.0%" in metrics and "weights written\t1.0 MiB (source 3.0 MiB)" in metrics
     manifest = page.inner_text("#job-manifest")
     assert "keep ratio\t0.4" in manifest and "layers\t2" in manifest and "8 x 256 tokens of wikitext2" in manifest
+    assert "scope\tattention" in manifest
     files = page.inner_text("#job-artifacts")
     assert "config.json (2 B)" in files and "model.safetensors (4.9 KiB)" in files and "0.00 MiB" not in files
     assert "per-layer checkpoints (resume) 1 files, 5 B" in files
@@ -181,6 +190,8 @@ def test_jobs_are_cancelled_retried_read_downloaded_and_compared(api: Api, brows
     assert header == ["", first, second]
     table = {line.split("\t")[0]: line.split("\t")[1:] for line in page.inner_text("#compare-table tbody").splitlines()}
     assert table["perplexity wikitext2"] == ["31.20", "29.95"] and table["rho"] == ["0.4", "0.8"]
+    assert table["scope"] == ["attention"] * 2 and table["linear reduction"] == ["6.0%", "12.0%"]
+    assert table["weights written"] == ["1.0 MiB"] * 2
     sizes = [sum(a["size"] for a in client.get(f"/v1/jobs/{j}/artifacts").json()["artifacts"] if a["kind"] == "model")
              for j in (first, second)]
     assert table["model files"] == [human_bytes(size) for size in sizes] and table["time"] == ["95 s", "95 s"]
