@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from ftc.options import default_allocation
 from tests.support.service import Api
 from tests.support.sweeps import SWEEP_REQUEST, complete, scheduler_pass, synthetic_metrics, work_queue
 
@@ -89,7 +90,10 @@ def test_status_follows_the_cells_and_a_finished_run_gets_its_table_and_plot(any
     png = client.get(f"/v1/sweeps/{sweep['id']}/files/plot.png")
     assert png.headers["content-type"] == "image/png" and png.content.startswith(b"\x89PNG")
     markdown = client.get(f"/v1/sweeps/{sweep['id']}/files/results.md").text
-    assert "| smollm2-135m | ftc | 0.4 | 27.200 | 1.36x |" in markdown
+    assert f"| smollm2-135m | ftc | {default_allocation('ftc')} | 0.4 | 27.200 | 1.36x |" in markdown
+    assert "Scope attention: rho is the keep ratio of the Q, K, V and O projections" in markdown
+    assert (ftc_04["allocation"], ftc_04["scope"], ftc_04["bytes_written"]) == (
+        default_allocation("ftc"), "attention", "1600000")
     assert "first finished run of the campaign" in markdown
 
     assert scheduler_pass(api.settings).reported == []  # written once

@@ -78,18 +78,18 @@ def test_one_calibration_default_everywhere() -> None:
 
 
 def test_a_field_added_to_the_schema_is_a_flag_without_another_edit() -> None:
-    class WithScope(JobRequest):
-        scope: Literal["attention", "model"] = Field("attention", description="What is compressed.")
+    class WithEffort(JobRequest):
+        effort: Literal["quick", "thorough"] = Field("quick", description="How hard to try.")
 
     parser = argparse.ArgumentParser()
-    flags = flags_of(WithScope)
+    flags = flags_of(WithEffort)
     add_flags(parser, flags)
-    args = parser.parse_args(["--model", "smollm2-135m", "--ratio", "0.5", "--scope", "model"])
+    args = parser.parse_args(["--model", "smollm2-135m", "--ratio", "0.5", "--effort", "thorough"])
     request = request_from(args, flags, upload=pending_upload)
-    assert request == {"model": "smollm2-135m", "ratio": 0.5, "scope": "model"}
-    assert WithScope.model_validate(request).scope == "model"
+    assert request == {"model": "smollm2-135m", "ratio": 0.5, "effort": "thorough"}
+    assert WithEffort.model_validate(request).effort == "thorough"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--model", "m", "--scope", "everything"])
+        parser.parse_args(["--model", "m", "--effort", "everything"])
 
 
 def test_flags_become_the_json_request_with_short_names_and_lists(tmp_path: Path) -> None:

@@ -101,7 +101,7 @@ def test_create_follow_download_rerun_and_cancel(
     target = tmp_path / "table.csv"
     assert ftc("sweep", "download", sweep["id"], "results.csv", "-o", str(target)) == 0
     assert capsys.readouterr().out.strip() == f"{target} ({target.stat().st_size} bytes)"
-    assert target.read_text().startswith("model,method,rho,status,ppl_wikitext2")
+    assert target.read_text().startswith("model,method,allocation,rho,status,ppl_wikitext2")
     report = tmp_path / "report"
     assert ftc("sweep", "download", sweep["id"], "--to", str(report), "--include", "models") == 0
     assert capsys.readouterr().out.startswith(f"{report} (")

@@ -38,10 +38,16 @@ def synthetic_metrics(record: JobRecord, factor: float = 1.0) -> dict[str, Any]:
     ppl = DENSE_PPL * (1 + penalty * (1 - request.ratio) ** 2) * factor
     metrics: dict[str, Any] = {
         "perplexity": {d: {"ppl": ppl, "seq_len": 256, "windows": 4} for d in request.evaluation.datasets},
+        "allocation": request.allocation,
+        "scope": request.scope,
         "storage": {
+            "scope": request.scope,
             "attention_bytes_written": int(1_000_000 * request.ratio),
+            "linear_reduction": 0.9 * (1 - request.ratio),
             "model_reduction": 0.3 * (1 - request.ratio),
+            "source_bytes": 5_000_000,
         },
+        "bytes_written": int(4_000_000 * request.ratio),
         "timings": {"total_seconds": 12.5},
     }
     if request.evaluation.dense_reference:
