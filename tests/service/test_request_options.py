@@ -3,6 +3,7 @@ field resolves to through `ftc.options.default_allocation` (whatever its default
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -57,7 +58,12 @@ def test_a_request_stored_before_allocations_were_written_reads_as_uniform(libra
 
 
 def test_uniform_is_hashed_as_before_it_was_stored() -> None:
+    """Requests were hashed without an allocation when it was uniform: a key given before this field was
+    stored resolved still finds its job."""
     request = JobRequest.model_validate(JOB_REQUEST | {"allocation": "uniform"})
+    before = request.model_dump(mode="json", by_alias=True, exclude={"priority", "allocation"})
+    digest = hashlib.sha256(json.dumps(before, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert request_digest(request, with_priority=False) == digest
     other = JobRequest.model_validate(JOB_REQUEST | {"allocation": "global"})
     assert request_digest(request, with_priority=False) != request_digest(other, with_priority=False)
 
