@@ -40,8 +40,8 @@ WINDOWS = 64
 CONSTANTS: dict[str, tuple[str, tuple]] = {
     "sink_weight": ("SINK_WEIGHT", (1, 8, 32, 256)),
     "key_weight": ("KEY_WEIGHT", (0.0, 0.5, 1.0, 1.5)),
-    "eps": ("DEFAULT_EPS", (1e-5, 1e-4, 1e-3, 1e-2)),
-    "anchor": ("ANCHOR", (0.0, 0.25, 0.5, 1.0)),
+    "eps": ("DEFAULT_EPS", (1e-4, 1e-3, 1e-2)),
+    "anchor": ("ANCHOR", (0.0, 0.5, 1.0)),
     "prune_steps": ("PRUNE_STEPS", (1, 4, 8)),
     "refits": ("REFITS", (1, 2)),
 }

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from cli.main import main
+from ftc.options import default_allocation
 from service.keys import Keys
 from service.plans import SharedPlans
 from service.redis_client import connect_sync
@@ -54,7 +55,8 @@ def test_submit_and_sweep_create_take_scope_dtype_and_leave_the_allocation_to_th
     base = ["--model", "smollm2-135m", "--eval-datasets", ""]
     assert ftc("submit", *base, "--ratio", "0.4", "--scope", "model", "--dtype", "bfloat16") == 0
     request = json.loads(capsys.readouterr().out)["request"]
-    assert (request["scope"], request["dtype"], request["allocation"]) == ("model", "bfloat16", "uniform")
+    assert (request["scope"], request["dtype"]) == ("model", "bfloat16")
+    assert request["allocation"] == default_allocation("ftc")  # not sent: resolved by the API
 
     assert ftc("sweep", "create", "--models", "smollm2-135m", "--ratios", "0.4", "--methods", "ftc,svd_llm",
                "--scope", "model", "--allocation", "sensitivity", "--eval-datasets", "") == 0
