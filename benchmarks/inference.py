@@ -16,8 +16,8 @@ of the machine, "all"):
   (after the imports, before loading) is recorded beside it.
 
 Variants: the dense model; FTC with attention-only compression at rho 0.8/0.6/0.4/0.2; FTC with
-whole-model compression (`ftc.compress.compress(..., scope="model")`) at keep ratios 0.8/0.6/0.4
-(20/40/60% smaller), listed as not available while the installed `ftc.compress` has no `scope`.
+whole-model compression (`--scope model`) at keep ratios 0.8/0.6/0.4 (20/40/60% of the seven
+linear projections removed).
 Artifacts load through `load_artifact` (the classes the transformers remote code runs) in their
 default `speed` runtime; the dense model is the same weights saved as a float16 safetensors
 folder, loaded with `AutoModelForCausalLM.from_pretrained`, so both read the same file format.
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import platform
@@ -115,18 +114,6 @@ class Variant:
         return f"whole model keep {self.ratio} (-{round(100 * (1 - self.ratio))}%)"
 
 
-def scope_support() -> str | None:
-    """How the installed `ftc.compress` takes a compression scope: a `CompressOptions` field, a
-    `compress()` argument, or not at all (None)."""
-    from ftc.compress import CompressOptions, compress
-
-    if "scope" in {f.name for f in dataclasses.fields(CompressOptions)}:
-        return "options"
-    if "scope" in inspect.signature(compress).parameters:
-        return "argument"
-    return None
-
-
 def compress_to(folder: Path, model: str, ratio: float, scope: str, calib_samples: int, seq_len: int) -> Path:
     """An FTC artifact of `model` (compressed once; kept in `folder` for later runs)."""
     from ftc.compress import CompressOptions, compress
@@ -134,29 +121,19 @@ def compress_to(folder: Path, model: str, ratio: float, scope: str, calib_sample
     if (folder / "manifest.json").exists():
         return folder
     options = CompressOptions(model=model, ratio=ratio, calib_samples=calib_samples, seq_len=seq_len,
-                              dtype="float16", device="cpu")
-    extra = {}
-    if scope == "model":
-        if scope_support() == "options":
-            options = dataclasses.replace(options, scope="model")
-        else:
-            extra["scope"] = "model"
+                              dtype="float16", device="cpu", scope=scope)
     print(f"  compressing {model} ({scope}, {ratio}) -> {folder}", flush=True)
-    compress(options, folder, overwrite=True, progress=False, **extra)
+    compress(options, folder, overwrite=True, progress=False)
     return folder
 
 
 def ftc_variants(make: Callable[[float, str], Path], ratios: tuple[float, ...],
                  keeps: tuple[float, ...]) -> list[Variant]:
-    """The FTC variants, `make(ratio, scope) -> folder`; whole-model ones marked unavailable while
-    `compress` takes no scope (or when compressing one fails, with the error)."""
+    """The FTC variants, `make(ratio, scope) -> folder`; a whole-model one whose compression fails is
+    reported with the error instead of ending the run (its speed is then not measured)."""
     variants = [Variant(f"attention-{r}", "attention", r, str(make(r, "attention"))) for r in ratios]
-    support = scope_support()
     for keep in keeps:
         name = f"model-{keep}"
-        if support is None:
-            variants.append(Variant(name, "model", keep, unavailable="ftc.compress.compress takes no scope= yet"))
-            continue
         try:
             variants.append(Variant(name, "model", keep, str(make(keep, "model"))))
         except Exception as exc:  # a scope that exists but fails here is reported, not fatal

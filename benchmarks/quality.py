@@ -21,6 +21,7 @@ quality_model_scope.* and quality_model_scope_gemma3-270m.*.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -57,6 +58,8 @@ MLP_ABLATIONS = tuple(a for a in ABLATIONS if scope_problem("ftc", "uniform", (a
 """Ablations of how the MLP is compressed: measured with `--scope model` only."""
 TIME_TARGET = 2.0
 """FTC's compression time, in dense forward passes over the calibration tokens, to stay under."""
+FRESH_PLAN_TARGET = 8.0
+"""The same with `--allocation sensitivity` measuring its layer list for the first time."""
 
 
 CALIBRATION_SAMPLES = 32
@@ -140,31 +143,44 @@ def first_layers(loaded: tuple, layers: int | None) -> tuple:
     return cut, tokenizer, source
 
 
+def _timed_run(loaded: tuple, options: CompressOptions) -> dict:
+    """A dense pass, then a whole compression right after it, so both see the same load."""
+    model, tokenizer, _ = loaded
+    device = torch.device(options.device)
+    dense = dense_forward_seconds(model, tokenizer, options)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = _clock(device)
+        manifest = compress(options, Path(tmp) / "a", loaded=loaded, progress=False)
+        seconds = _clock(device) - t0
+    phases: dict[str, float] = {}
+    for layer in manifest["layers"]:
+        for name, phase_seconds in layer["phase_seconds"].items():
+            phases[name] = phases.get(name, 0.0) + phase_seconds
+    phases["rest (calibration, plan, embeddings, writing)"] = seconds - sum(phases.values())
+    print(f"timing on {device} ({options.allocation}): dense {dense:.1f}s, ftc {seconds:.1f}s, "
+          f"{seconds / dense:.2f}x", flush=True)
+    return {"dense_forward_seconds": dense, "ftc_seconds": seconds, "ratio": seconds / dense, "phases": phases}
+
+
 def timing(loaded: tuple, options: CompressOptions, repeats: int) -> dict:
     """FTC's compression time against one dense forward pass, measured side by side.
 
-    Each repeat times a dense pass and then a whole FTC compression right after it, so both see
-    the same load on a shared machine; the ratio is the median of the per-repeat ratios, and the
-    per-phase seconds are those of the repeat with the median compression time.
+    `repeats` runs at `--allocation uniform` (what every ratio costs once a plan is kept); the ratio
+    is the median of the per-run ratios, the per-phase seconds those of the run with the median
+    time. Then `--allocation sensitivity` twice with an empty plan cache: the first run measures its
+    layer list (the cost a new model and calibration pay once), the second plans from the kept list.
     """
-    model, tokenizer, _ = loaded
+    model, _, _ = loaded
     device = torch.device(options.device)
     model.to(device)
-    runs = []
-    for _ in range(repeats):
-        dense = dense_forward_seconds(model, tokenizer, options)
-        with tempfile.TemporaryDirectory() as tmp:
-            t0 = _clock(device)
-            manifest = compress(options, Path(tmp) / "a", loaded=loaded, progress=False)
-            seconds = _clock(device) - t0
-        phases: dict[str, float] = {}
-        for layer in manifest["layers"]:
-            for name, phase_seconds in layer["phase_seconds"].items():
-                phases[name] = phases.get(name, 0.0) + phase_seconds
-        phases["rest (calibration, embeddings, writing)"] = seconds - sum(phases.values())
-        runs.append({"dense_forward_seconds": dense, "ftc_seconds": seconds, "ratio": seconds / dense,
-                     "phases": phases})
-        print(f"timing on {device}: dense {dense:.1f}s, ftc {seconds:.1f}s, {seconds / dense:.2f}x", flush=True)
+    runs = [_timed_run(loaded, dataclasses.replace(options, allocation="uniform")) for _ in range(repeats)]
+    with tempfile.TemporaryDirectory() as cache:
+        held = os.environ.get("FTC_CACHE_DIR")
+        os.environ["FTC_CACHE_DIR"] = cache
+        try:
+            planned = [_timed_run(loaded, dataclasses.replace(options, allocation="sensitivity")) for _ in range(2)]
+        finally:
+            os.environ.pop("FTC_CACHE_DIR") if held is None else os.environ.__setitem__("FTC_CACHE_DIR", held)
     model.to("cpu")
     middle = sorted(runs, key=lambda r: r["ftc_seconds"])[len(runs) // 2]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
@@ -172,7 +188,8 @@ def timing(loaded: tuple, options: CompressOptions, repeats: int) -> dict:
             "ratio": statistics.median(r["ratio"] for r in runs),
             "ftc_seconds": statistics.median(r["ftc_seconds"] for r in runs),
             "dense_forward_seconds": statistics.median(r["dense_forward_seconds"] for r in runs),
-            "phases": middle["phases"], "phases_dense_seconds": middle["dense_forward_seconds"], "runs": runs}
+            "phases": middle["phases"], "phases_dense_seconds": middle["dense_forward_seconds"], "runs": runs,
+            "sensitivity": {"fresh_plan": planned[0], "kept_plan": planned[1]}}
 
 
 def evaluated(model, test_ids: dict[str, torch.Tensor], windows: int) -> dict[str, dict]:
@@ -410,6 +427,12 @@ def render(results: dict, image: str = "") -> str:
                   "", "Where FTC's time goes (the median run, summed over layers; in units of that run's dense pass):",
                   "", "| phase | seconds | dense passes |", "|---|---|---|"]
         lines += [f"| {name} | {s:.1f} | {s / t['phases_dense_seconds']:.2f} |" for name, s in t["phases"].items()]
+        if plans := t.get("sensitivity"):
+            fresh, kept = plans["fresh_plan"], plans["kept_plan"]
+            lines += ["", f"`--allocation sensitivity` (one run each, a dense pass beside each): with a new layer list "
+                      f"{fresh['ftc_seconds']:.1f} s, {fresh['ratio']:.2f}x its dense pass (target: at most "
+                      f"{FRESH_PLAN_TARGET}x, {'met' if fresh['ratio'] <= FRESH_PLAN_TARGET else 'MISSED'}); with the "
+                      f"list kept {kept['ftc_seconds']:.1f} s, {kept['ratio']:.2f}x."]
     lines += ["", "Each cell: `ftc.compress` -> artifact on disk -> reloaded -> evaluated. "
               "Produced by `benchmarks/quality.py`.", ""]
     return "\n".join(lines)
@@ -529,7 +552,8 @@ def main() -> None:
         run_tasks_part(loaded, base, options_for, args.methods, args.ratios, args.limit, args.task_batch_size,
                        part_out, model_label(args.model))
         return
-    results["calibration"] = "32 x 512 tokens of the WikiText-2 validation file, seed 0"
+    results["calibration"] = ("32 x 512 tokens of the WikiText-2 validation file's raw text before its tuning "
+                              "split (`wikitext2-tune`), seed 0")
     if args.model != DEFAULT_MODEL or whole:  # the historical file names neither
         results |= {"model": args.model, "scope": args.scope}
     datasets = [d for d in DATASETS if d == "wikitext2" or args.ptb]

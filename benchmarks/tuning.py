@@ -50,8 +50,12 @@ CONSTANTS: dict[str, tuple[str, tuple]] = {
 DESIGNS: dict[str, dict] = {
     "wo_metric": {"default": {}, "paper (A_s^T A_s)": {"ablate": ("wo_student_metric",)}},
     "calibration_text": {"default": {}, "tokenized (<unk>)": {"calib": "wikitext2-tokenized"}},
+    "allocation": {"default": {}, "sensitivity": {"allocation": "sensitivity"}},
 }
-"""Design switches: named alternatives, each a set of `CompressOptions` fields."""
+"""Design switches: named alternatives, each a set of `CompressOptions` fields. Every cell runs with
+`BASE_ALLOCATION` unless it names another, so the default cells mean the same whatever the code's
+default allocation is."""
+BASE_ALLOCATION = "uniform"
 
 WHOLE_MODEL_DESIGNS: dict[str, dict] = {
     "mlp_structure": {"default": {}, "shared U2 too (Tucker as Q/K/V)": {"ablate": ("mlp_mode2",)},
@@ -125,7 +129,8 @@ def render(results: dict) -> str:
     lines = [f"# Tuning: {LABEL}, perplexity on `wikitext2-tune`", "",
              f"{WINDOWS} windows of 512 tokens from the WikiText-2 validation articles calibration never reads "
              "(from 'Military history of Australia' on); calibration: 32 x 512 tokens of the articles before it, "
-             "seed 0. Every other option is the default of its time. **bold**: the lowest in the row's group; "
+             f"seed 0. Every other option is the default of its time, with `--allocation {BASE_ALLOCATION}` "
+             "(the `allocation` group's default row). **bold**: the lowest in the row's group; "
              "(default): the value the code ships.", ""]
     if "dense" in results:
         lines += [f"Dense (uncompressed) perplexity on the same windows: **{results['dense']['ppl']:.2f}**.", ""]
@@ -196,7 +201,7 @@ def main() -> None:
         save()
     results["defaults"] = {name: repr(current(attribute)) for name, (attribute, _) in CONSTANTS.items()}
     results["defaults"].update({name: "default" for name in [*DESIGNS, *WHOLE_MODEL_DESIGNS]})
-    base = CompressOptions(device="cpu", calib_samples=32, seq_len=512, seed=0)
+    base = CompressOptions(device="cpu", calib_samples=32, seq_len=512, seed=0, allocation=BASE_ALLOCATION)
     for group, label, ratio, how in cells(args.only, args.ratios):
         name = key(group, label, ratio, results["defaults"])
         if name in results["cells"]:

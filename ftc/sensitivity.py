@@ -7,12 +7,15 @@ perplexity on a few calibration sequences is measured; a perplexity threshold is
 that every matrix takes the smallest `p` whose perplexity stays under it, within the model-wide
 budget.
 
-The layer list (§15): for every candidate keep ratio, each layer's attention alone compressed by
-the planning method (FTC or CP) and the KL divergence of the model's predictions from the original
-ones; one ratio per layer is then chosen for the least summed divergence within the budget.
+The layer list of `--allocation sensitivity` (§15), streamed (`layer_gains`): each layer compressed
+once by the planning method (FTC or CP) at a reference ratio, each unit's predicted error curve from
+that compression's statistics, scaled by the one KL divergence measured with the unit alone
+compressed; one ratio per unit is then chosen for the least summed divergence within the budget. One
+layer is resident at a time. `layer_sensitivities` is the earlier design it replaced (every unit at
+every candidate ratio, the whole model resident), kept for `benchmarks/plans.py`'s comparison.
 
-The loss of the whole model is needed per candidate, so the search holds the whole model in
-memory, as ASVD's does. It is cheap where it can be: each decoder layer's input on the
+ASVD's search needs the loss of the whole model per candidate, so it holds the whole model in
+memory, as published. It is cheap where it can be: each decoder layer's input on the
 sensitivity sequences is computed once, and a candidate in layer `l` runs only layers `l..L-1`,
 the final norm and the head (the model's own forward, with the layers before `l` handing on the
 cached hidden state).
