@@ -37,17 +37,19 @@ from ftc.data import load_text, tokenize
 from ftc.evaluate import perplexity
 from ftc.loading import load_model
 from ftc.models import ALIASES, resolve_model
-from ftc.options import ABLATIONS, MODEL_ALIASES, SCOPES, scope_problem
+from ftc.options import ABLATIONS, MODEL_ALIASES, SCOPES, default_allocation, scope_problem
 from ftc.pipeline import layer_inputs, propagate
 from service.reports.plots import render_plots
 from service.reports.rows import ResultRow
 
 RESULTS = Path(__file__).parent / "results"
 BASELINES = ("svd_llm", "svd_llm_v2", "asvd", "svd", "per_matrix")
-METHODS = ("ftc", "ftc_global", "ftc_sensitivity", *BASELINES)
-VARIANTS = {"ftc_global": {"method": "ftc", "allocation": "global"},
+METHODS = ("ftc", "ftc_uniform", "ftc_global", "ftc_sensitivity", *BASELINES)
+VARIANTS = {"ftc_uniform": {"method": "ftc", "allocation": "uniform"},
+            "ftc_global": {"method": "ftc", "allocation": "global"},
             "ftc_sensitivity": {"method": "ftc", "allocation": "sensitivity"}}
-"""Table columns that are a method with non-default options."""
+"""Table columns that are a method with other options than its defaults. `ftc` is FTC with the
+default allocation (`ftc.options.default_allocation`); the variant that repeats it is not run."""
 DEFAULT_MODEL = "smollm2-135m"
 """The model of the historical results files (quality.json, tasks.json): their names carry no model."""
 DATASETS = ("wikitext2", "ptb")
@@ -210,7 +212,7 @@ def checkpoint_bytes(source) -> int:
     return sum(path.stat().st_size for path in source.path.glob("*.safetensors"))
 
 
-def run_cell(loaded, test_ids: dict[str, torch.Tensor], options: CompressOptions, windows: int) -> dict:
+def run_cell(loaded, test_ids: dict[str, torch.Tensor], options: CompressOptions, windows: int, label: str) -> dict:
     """One method at one ratio: compressed, written, reloaded from disk and evaluated on every test
     set of `test_ids` (WikiText-2 first: the cell's `ppl`), with what it stores and its file's size."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -218,12 +220,11 @@ def run_cell(loaded, test_ids: dict[str, torch.Tensor], options: CompressOptions
         artifact_bytes = (Path(tmp) / "artifact" / "model.safetensors").stat().st_size
         model, _, _ = load_artifact(Path(tmp) / "artifact")
         scores = evaluated(model, test_ids, windows)
-    label = next((k for k, v in VARIANTS.items() if all(getattr(options, f) == x for f, x in v.items())),
-                 options.method)
     headline = scores.pop("wikitext2")
     storage = manifest["storage"]
     return {
-        "method": label, "ratio": options.ratio, "ablation": ",".join(options.ablate),
+        "method": label, "allocation": manifest["allocation"]["kind"], "ratio": options.ratio,
+        "ablation": ",".join(options.ablate),
         "calib_samples": options.calib_samples, "scope": options.scope,
         "ppl": headline["ppl"], "windows": headline["windows"], "tokens": headline["tokens"], **scores,
         "compress_seconds": manifest["compress_seconds"],
@@ -285,7 +286,9 @@ def _grid_table(results: dict, dataset: str, methods: list[str], mark: dict[str,
     dense = _perplexity(results.get("dense"), dataset)
     ratios = sorted({c["ratio"] for c in cells.values() if _main_grid(c)}, reverse=True)
     head = "keep (compression)" if scope == "model" else "rho"
-    lines = [f"| {head} | " + " | ".join(methods) + " | FTC vs best published baseline | FTC vs per-matrix control "
+    kinds = sorted({c["allocation"] for c in cells.values() if c["method"] == "ftc" and "allocation" in c})
+    names = [f"ftc ({'/'.join(kinds)}, the default)" if m == "ftc" and kinds else m for m in methods]
+    lines = [f"| {head} | " + " | ".join(names) + " | FTC vs best published baseline | FTC vs per-matrix control "
              "| FTC / dense | best FTC allocation / dense |", "|---|" + "---|" * (len(methods) + 4)]
 
     def lower(ftc: dict | None, others: list[dict | None]) -> str:
@@ -524,7 +527,8 @@ def main() -> None:
     args.ratios = args.ratios or list(MODEL_SCOPE_RATIOS if whole else (0.8, 0.6, 0.4, 0.2))
     args.ablation_ratios = args.ablation_ratios or list(MODEL_SCOPE_RATIOS if whole else (0.6, 0.2))
     args.ablations = args.ablations or [a for a in ABLATIONS if (a in MLP_ABLATIONS) == whole]
-    args.methods = args.methods or methods_of_scope(list(METHODS), args.scope)
+    args.methods = args.methods or [m for m in methods_of_scope(list(METHODS), args.scope)
+                                    if VARIANTS.get(m) != {"method": "ftc", "allocation": default_allocation("ftc")}]
     if refused := [m for m in args.methods if m not in methods_of_scope(list(METHODS), args.scope)]:
         parser.error(f"--methods {' '.join(refused)} do not run with --scope {args.scope}")
     torch.manual_seed(0)
@@ -596,7 +600,7 @@ def main() -> None:
                 print(key, *(f"{d} {cell[d]['ppl']:.3f} (recompressed)" for d in lacking), flush=True)
                 save()
             continue
-        results["cells"][key] = run_cell(loaded, test_ids, opts, args.windows)
+        results["cells"][key] = run_cell(loaded, test_ids, opts, args.windows, method)
         print(key, f"{results['cells'][key]['ppl']:.3f}", flush=True)
         save()
     if args.part in ("all", "timing"):

@@ -81,6 +81,7 @@ BURST_TEAM, BURST_SHARE = "team-a", 0.6
 BURST_QUEUED_LIMIT = 60
 """team-a's queued-jobs quota: its burst meets 429s and comes back after Retry-After."""
 BUCKET, PREFIX, MODEL = "ftc-soak", "soak", "tiny/soak-2x32"
+PRUNE_SECONDS = 20
 LEASE_SECONDS = 10
 MAX_ATTEMPTS = 8
 """Deliveries one job may take: a job can meet several faults; each attempt resumes from checkpoints."""
@@ -178,12 +179,20 @@ class Stack:
         if not all(self.workers.values()):
             raise RuntimeError("a worker did not start; see its log under " + str(self.workdir))
 
-    def s3(self) -> Any:
+    def s3(self, config: Any = None) -> Any:
         """A client straight to moto (not through the relay), for the checks."""
         import boto3
 
         assert self.moto is not None
-        return boto3.client("s3", endpoint_url=self.moto.url, region_name="us-east-1")
+        return boto3.client("s3", endpoint_url=self.moto.url, region_name="us-east-1", config=config)
+
+    def moto_peak_bytes(self) -> int | None:
+        """moto's high-water resident memory (`VmHWM`), read from /proc while it runs."""
+        with contextlib.suppress(Exception):
+            assert self.moto is not None and self.moto.server.process is not None
+            status = Path(f"/proc/{self.moto.server.process.pid}/status").read_text()
+            return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024
+        return None
 
     def start_worker(self, slot: int) -> WorkerProcess | None:
         with self.lock:
@@ -371,6 +380,32 @@ def plan(jobs: int, seconds: float, started: float) -> dict[str, list[Submission
     return planned
 
 
+class Pruner:
+    """Deletes the noncurrent versions of every object but a job's `manifest.json`, every `PRUNE_SECONDS`:
+    what a lifecycle rule ("expire noncurrent versions") does in a real store. moto keeps every version
+    in memory, and the job logs and checkpoints that workers rewrite grew it to 22 GB (killed for memory)
+    in a full soak; the manifests keep theirs, for the exactly-once check."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.stopping = threading.Event()
+        self.deleted = 0
+        self.thread = threading.Thread(target=self._run, name="pruner", daemon=True)
+
+    def _run(self) -> None:
+        from botocore.config import Config
+
+        while not self.stopping.wait(PRUNE_SECONDS):
+            with contextlib.suppress(Exception):  # moto paused or busy: the next round catches up
+                client = self.stack.s3(Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 1}))
+                for page in client.get_paginator("list_object_versions").paginate(Bucket=BUCKET, Prefix=PREFIX):
+                    old = [{"Key": v["Key"], "VersionId": v["VersionId"]} for v in page.get("Versions", [])
+                           if not v["IsLatest"] and not v["Key"].endswith("/manifest.json")]
+                    for start in range(0, len(old), 1000):
+                        client.delete_objects(Bucket=BUCKET, Delete={"Objects": old[start:start + 1000], "Quiet": True})
+                        self.deleted += len(old[start:start + 1000])
+
+
 class Submitter:
     """One team's client: submits its jobs when due, retrying until each is accepted."""
 
@@ -526,6 +561,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         planned = plan(args.jobs, seconds, started)
         submitters = [Submitter(stack, subs, refusal_ms) for subs in planned.values()]
         injector = Injector(stack, args.fault_gap, args.s3_seconds)
+        pruner = Pruner(stack)
+        pruner.thread.start()
         for submitter in submitters:
             submitter.thread.start()
         injector.thread.start()
@@ -552,7 +589,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for submitter in submitters:
             submitter.thread.join(1)
         finished = time.time()
-        return report(args, stack, everything, injector.faults, refusal_ms, started, finished, load_before)
+        pruner.stopping.set()
+        pruner.thread.join(120)
+        stored = {"moto_peak_bytes": stack.moto_peak_bytes(), "noncurrent_versions_deleted": pruner.deleted}
+        return {**report(args, stack, everything, injector.faults, refusal_ms, started, finished, load_before),
+                "store": stored}
     finally:
         stack.stop()
         if not args.keep:
@@ -768,6 +809,12 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"a backlog. 'Other teams' jobs started first' counts, for each job, the jobs of other teams that "
         f"started while it waited: with fair dispatch a few, with one queue for all up to team-a's backlog.",
     ]
+    if store := result.get("store"):
+        peak = store["moto_peak_bytes"]
+        lines += ["", f"The store: moto's peak resident memory {'-' if peak is None else f'{peak / 2**30:.2f} GiB'}; "
+                  f"{store['noncurrent_versions_deleted']} noncurrent object versions deleted as the run went (a "
+                  "lifecycle rule's work: every object but the manifests, whose versions the exactly-once check "
+                  "reads)."]
     if result["problems"]:
         lines += ["", "Problems:", *[f"- {job}: {why}" for job, why in sorted(result["problems"].items())]]
     return "\n".join(lines) + "\n"

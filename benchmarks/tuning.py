@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument("--part", choices=["run", "render"], default="run")
     parser.add_argument("--only", nargs="*", choices=[*CONSTANTS, *DESIGNS, *WHOLE_MODEL_DESIGNS])
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.4, 0.2])
+    parser.add_argument("--values", nargs="*", help="only these values (labels) of the groups run, e.g. 8 1e-3")
     parser.add_argument("--out", type=Path, default=RESULTS / "tuning.json")
     args = parser.parse_args()
     results = json.loads(args.out.read_text()) if args.out.exists() else {"cells": {}, "commands": []}
@@ -204,7 +205,7 @@ def main() -> None:
     base = CompressOptions(device="cpu", calib_samples=32, seq_len=512, seed=0, allocation=BASE_ALLOCATION)
     for group, label, ratio, how in cells(args.only, args.ratios):
         name = key(group, label, ratio, results["defaults"])
-        if name in results["cells"]:
+        if name in results["cells"] or (args.values and label not in args.values):
             continue
         if isinstance(how, tuple):
             with constant(*how):
