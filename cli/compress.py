@@ -58,19 +58,20 @@ REFERENCE = MeasuredSpeed(
     model="SmolLM2-135M-Instruct (FTC at rho 0.4)",
     decoder_params=30 * 3_540_096,
     tokens=32 * 512,
-    dense_forward_seconds=52.94853890600007,
-    compress_over_dense=1.9480037984449818,
-    device="CPU, 1 threads",
-    source="benchmarks/results/quality.json (timing.cpu: the median of three side-by-side runs)",
+    dense_forward_seconds=32.40045601800011,
+    compress_over_dense=2.6950015240986116,
+    device="CPU, 2 threads",
+    source="benchmarks/results/quality.json (timing.cpu: the median of three side-by-side runs at uniform)",
 )
 """The measured constants behind `--dry-run`'s time estimate (tests/cli/test_dry_run.py checks them
 against the results file, so a new measurement that changes them fails until they are copied)."""
 
-FIRST_TIME_DENSE_PASSES = {"asvd": 45, "sensitivity": 6}
+FIRST_TIME_DENSE_PASSES = {"asvd": 45, "sensitivity": 8.434142688871994}
 """What a measured plan adds the first time for a model and its calibration, in dense passes over
 the calibration tokens (kept in FTC_CACHE_DIR, or a service's object store, afterwards): asvd's rank
 search, the whole model resident (its list took 41 minutes on SmolLM2 on two threads, about 45
-passes); `--allocation sensitivity`'s streamed layer list (benchmarks/results/plans.md)."""
+passes); `--allocation sensitivity`'s streamed layer list: the first run's ratio less the kept
+plan's (benchmarks/results/quality.json, timing.cpu.sensitivity)."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def summary(options, planned: dict[str, Any], estimate: Estimate) -> str:
         f"{options.ratio}: {100 * planned['linear_reduction']:.0f}% of the decoder's linear weights removed)",
         f"memory       about {human_bytes(planned['estimated_peak_bytes']['total'])} at the peak (one layer "
         "in float32, the calibration stream, the workspace)",
-        f"time         about {_duration(estimate.seconds)} on one CPU thread{first}; more threads or a GPU are "
+        f"time         about {_duration(estimate.seconds)} on two CPU threads{first}; more threads or a GPU are "
         f"faster (scaled from {REFERENCE.model}: {REFERENCE.compress_over_dense:.2f}x a dense pass over the "
         "calibration, see docs/results.md)",
         f"output       about {human_bytes(estimate.artifact_bytes)} ({options.dtype}: the weights not compressed "

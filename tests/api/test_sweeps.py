@@ -205,6 +205,7 @@ def test_listing_pages_newest_first(api: Api) -> None:
         (
             {
                 "ratios": [round(0.01 * i, 2) for i in range(1, 33)],
+                "allocation": "uniform",  # the default plan takes no ratio below 0.1
                 "methods": ["ftc", "svd", "svd_llm", "svd_llm_v2"],
                 "models": [f"org/m{i}" for i in range(5)],
             },

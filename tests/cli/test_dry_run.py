@@ -21,6 +21,8 @@ def test_the_time_estimate_rests_on_the_measured_constants() -> None:
     assert REFERENCE.compress_over_dense == timing["ratio"] and REFERENCE.device == timing["device"]
     assert REFERENCE.decoder_params == timing["layers"] * 3_540_096  # SmolLM2-135M's decoder layer
     assert json.loads(RESULTS.read_text())["calibration"].startswith(f"{REFERENCE.tokens // 512} x 512 tokens")
+    plans = timing["sensitivity"]
+    assert FIRST_TIME_DENSE_PASSES["sensitivity"] == plans["fresh_plan"]["ratio"] - plans["kept_plan"]["ratio"]
 
 
 def plan_like(layers: int, layer_params: int, tokens: int) -> dict:
@@ -58,7 +60,7 @@ def test_the_summary_is_short_and_its_size_estimate_matches_a_real_artifact(tiny
                                                    "output", "(--json"]
     assert lines[1].startswith(f"method       ftc, keep ratio 0.4, allocation {default_allocation('ftc')}, "
                                "stored as float32")
-    assert "4 x 64 = 256 tokens of wikitext2" in lines[2] and "on one CPU thread" in lines[5]
+    assert "4 x 64 = 256 tokens of wikitext2" in lines[2] and "on two CPU threads" in lines[5]
     artifact = tiny_artifact("gqa", ratio=0.4, dtype="float32")  # the same options, compressed for real
     written = (artifact / "model.safetensors").stat().st_size
     shown = lines[6].split("about ")[1].split(" (")[0]

@@ -15,10 +15,9 @@ from ftc.arch import UnsupportedModel, decoder_layers, layer_types, layout_of, p
 from ftc.artifact import load_artifact
 from ftc.export import export_dense
 from ftc.hf.modeling_ftc import place
-from ftc.methods import make_method
 from ftc.options import METHODS
 from ftc.pipeline import layer_inputs, propagate
-from tests.support.pipeline import compress_loaded, compress_model
+from tests.support.pipeline import compress_loaded, compress_model, method_of
 from tests.support.tiny import tiny_model
 
 FAMILIES = ["gemma3", "olmo2", "phi3"]
@@ -70,7 +69,7 @@ def test_every_method_compresses_and_reloads_with_the_in_memory_logits(family, m
                                                 dtype="float32")
     assert manifest["base_model"]["model_type"] == model.config.model_type
     expected = copy.deepcopy(model)
-    compress_model(expected, layout_of(model.config), make_method(method, 0.5, torch.float32, ()), calib,
+    compress_model(expected, layout_of(model.config), method_of(manifest), calib,
                    device=torch.device("cpu"), batch_size=2)
     assert _rel(_logits(reloaded), _logits(expected)) < 1e-4
     assert _rel(_logits(reloaded), _logits(model)) > 1e-4  # compressed for real

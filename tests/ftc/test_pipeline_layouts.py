@@ -12,10 +12,10 @@ from safetensors import safe_open
 from ftc.arch import layout_of
 from ftc.artifact import WEIGHTS
 from ftc.data import load_text
-from ftc.methods import make_method
+from ftc.methods import Method, make_method
 from ftc.options import ABLATIONS, MLP_ABLATIONS
 from ftc.stored import stored_values
-from tests.support.pipeline import compress_loaded, compress_model
+from tests.support.pipeline import compress_loaded, compress_model, method_of
 from tests.support.tiny import LAYOUTS, tiny_model
 
 BATCH = 4
@@ -44,21 +44,19 @@ def _compress(tiny_run, out, layout_name: str, method: str, ratio: float, dtype:
     return model, reloaded, manifest, calib
 
 
-def _in_memory(model, method: str, ratio: float, calib: torch.Tensor, ablations=()):
+def _in_memory(model, method: Method, calib: torch.Tensor):
     """The same compression with every layer resident: what the artifact must reproduce."""
     model = copy.deepcopy(model)
-    compress_model(model, layout_of(model.config),
-                   make_method(method, ratio, torch.float32, ablations, scope=_scope(ablations)), calib,
-                   device=torch.device("cpu"), batch_size=BATCH)
+    compress_model(model, layout_of(model.config), method, calib, device=torch.device("cpu"), batch_size=BATCH)
     return model
 
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
 @pytest.mark.parametrize("method", ["ftc", "svd_llm"])
 def test_layout_compresses_and_reloads_with_the_same_logits(layout_name, method, tmp_path, tiny_run):
-    model, reloaded, _, calib = _compress(tiny_run, tmp_path / "a", layout_name, method, 0.5)
+    model, reloaded, manifest, calib = _compress(tiny_run, tmp_path / "a", layout_name, method, 0.5)
     dense_biases = {n: p.clone() for n, p in model.named_parameters() if n.endswith("_proj.bias")}
-    expected_model = _in_memory(model, method, 0.5, calib)
+    expected_model = _in_memory(model, method_of(manifest), calib)
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = expected_model(ids).logits
@@ -73,7 +71,7 @@ def test_layout_compresses_and_reloads_with_the_same_logits(layout_name, method,
 def test_asvd_rank_search_reloads_with_the_in_memory_logits(layout_name, tmp_path, tiny_run):
     """ASVD plans on the whole model (ftc.sensitivity); one plain and one fused Q/K/V layout."""
     model, reloaded, manifest, calib = _compress(tiny_run, tmp_path / "a", layout_name, "asvd", 0.4)
-    expected_model = _in_memory(model, "asvd", 0.4, calib)
+    expected_model = _in_memory(model, make_method("asvd", 0.4, torch.float32), calib)  # its own search
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected, got = expected_model(ids).logits, reloaded(ids).logits
@@ -87,7 +85,7 @@ def test_stored_size_is_within_budget_and_equals_the_file(method, ratio, tmp_pat
     model, _, manifest, _ = _compress(tiny_run, tmp_path / "a", "gqa", method, ratio, dtype="float16")
     layout = layout_of(model.config)
     assert len(manifest["layers"]) == model.config.num_hidden_layers
-    model_wide = make_method(method, ratio, torch.float16).plans  # asvd: one budget for the whole model
+    model_wide = manifest["allocation"]["layer_budgets"] is not None  # asvd, sensitivity: budgets per layer
     total = 0
     with safe_open(tmp_path / "a" / WEIGHTS, "pt") as f:
         for entry in manifest["layers"]:
@@ -113,8 +111,8 @@ def test_stored_size_is_within_budget_and_equals_the_file(method, ratio, tmp_pat
 
 @pytest.mark.parametrize("ablation", ABLATIONS)
 def test_every_ablation_runs_and_reloads(ablation, tmp_path, tiny_run):
-    model, reloaded, _, calib = _compress(tiny_run, tmp_path / "a", "gqa", "ftc", 0.4, ablations=(ablation,))
-    expected_model = _in_memory(model, "ftc", 0.4, calib, (ablation,))
+    model, reloaded, manifest, calib = _compress(tiny_run, tmp_path / "a", "gqa", "ftc", 0.4, ablations=(ablation,))
+    expected_model = _in_memory(model, method_of(manifest), calib)
     ids = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, expected_model(ids).logits, rtol=1e-4, atol=1e-5)

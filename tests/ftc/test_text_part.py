@@ -19,11 +19,10 @@ from ftc.arch import TEXT_PARTS, UnsupportedModel, layout_of
 from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, calibration_batch, compress
 from ftc.export import export_dense
-from ftc.methods import make_method
 from ftc.models import ModelSource
 from ftc.options import InputError
 from ftc.weights import text_part
-from tests.support.pipeline import compress_model
+from tests.support.pipeline import compress_model, method_of
 from tests.support.tiny import tiny_multimodal
 
 LOW_RANK = 8
@@ -103,7 +102,7 @@ def test_a_saved_multimodal_checkpoint_compresses_like_its_text_decoder_in_memor
     ids = _text_ids(vocab)
     assert _rel(_logits(text, ids), _logits(mm, ids)) < 1e-6  # the reference is the multimodal model's text path
     calib = calibration_batch(tokenizer, CompressOptions(model=str(folder), **flags), text.config.hidden_size)
-    compress_model(text, layout_of(text.config), make_method("ftc", 0.5, torch.float32, ()), calib,
+    compress_model(text, layout_of(text.config), method_of(manifest), calib,
                    device=torch.device("cpu"), batch_size=2)
     artifact, _, _ = load_artifact(tmp_path / "a")
     assert type(artifact).__name__ == "FtcGemma3ForCausalLM"

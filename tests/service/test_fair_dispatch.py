@@ -25,7 +25,8 @@ RATIOS = [round(0.01 * (n + 1), 2) for n in range(32)]
 
 
 def request(seed: int, **changes: Any) -> JobRequest:
-    body = {**JOB_REQUEST, "calibration": {**JOB_REQUEST["calibration"], "seed": seed}, **changes}
+    body = {**JOB_REQUEST, "calibration": {**JOB_REQUEST["calibration"], "seed": seed},
+            "allocation": "uniform", **changes}  # RATIOS go below the default plan's smallest, 0.1
     if "ratios" in changes:
         del body["ratio"]
     return JobRequest.model_validate(body)

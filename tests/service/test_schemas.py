@@ -111,4 +111,5 @@ def test_asvd_below_its_smallest_measured_ratio_is_refused_before_it_is_queued()
                for loc, msg in errors_of({**JOB_REQUEST, "method": "asvd", "ratio": 0.05}))
     assert JobRequest.model_validate({**JOB_REQUEST, "method": "asvd", "ratio": 0.1}).ratio == 0.1
     with pytest.raises(ValidationError, match=r"at least 0\.1 with asvd"):
-        SweepRequest.model_validate({"models": ["smollm2-135m"], "methods": ["ftc", "asvd"], "ratios": [0.4, 0.05]})
+        SweepRequest.model_validate({"models": ["smollm2-135m"], "methods": ["ftc", "asvd"], "ratios": [0.4, 0.05],
+                                     "allocation": "uniform"})

@@ -16,7 +16,7 @@ from torch import nn
 from ftc.arch import AttentionLayout, layout_of
 from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, calibration_batch, compress
-from ftc.methods import Method
+from ftc.methods import Method, make_method
 from ftc.models import ModelSource
 from ftc.pipeline import PipelineResult, compress_layers, layer_inputs, planned, survey_layers
 from ftc.sensitivity import search_budgets
@@ -35,13 +35,25 @@ def compress_model(
 ) -> PipelineResult:
     """Compress `model` in place with `method`, every layer resident (small models only)."""
     stream = layer_inputs(model, layout, calibration, batch_size, device) if method.needs_data else None
-    if method.whole_model_plan:  # ASVD's rank search, on the resident model, as compress() does
+    if method.budgets is not None:  # planned already (`method_of` a manifest)
+        pass
+    elif method.whole_model_plan:  # ASVD's rank search, on the resident model, as compress() does
         method = search_budgets(method, model, layout, calibration, batch_size=batch_size, progress=progress)
     elif method.plans:  # a model-wide budget: survey first, as compress() does
         copy = dataclasses.replace(stream, hidden=list(stream.hidden))  # the survey advances its own list
         method = planned(method, survey_layers(model, layout, method, copy, device=device, progress=progress), layout)
     return compress_layers(model, layout, method, stream, device=device, compute_dtype=compute_dtype,
                            progress=progress)
+
+
+def method_of(manifest: dict, storage_dtype: torch.dtype = torch.float32) -> Method:
+    """The method a manifest ran, with the layer budgets its plan chose: the in-memory reference of an
+    artifact compressed with any allocation (the default's plan, `sensitivity`, is measured by
+    `compress()` alone; its budgets are in the manifest)."""
+    method = make_method(manifest["method"], manifest["ratio"], storage_dtype, tuple(manifest["ablations"]),
+                         manifest["allocation"]["kind"], manifest["options"]["scope"])
+    budgets = manifest["allocation"]["layer_budgets"]
+    return method if budgets is None else dataclasses.replace(method, budgets=tuple(budgets))
 
 
 def compress_loaded(model: nn.Module, tokenizer, out: Path, **options) -> tuple[nn.Module, dict, torch.Tensor]:
