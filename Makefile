@@ -54,7 +54,7 @@ system-tools:
 	fi
 
 test:
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q --durations=15
 
 test-slow:
 	$(BIN)/python -m pytest -q --run-slow -m slow
