@@ -28,6 +28,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -39,6 +40,7 @@ from ftc.loading import load_model
 from ftc.models import ALIASES, resolve_model
 from ftc.options import ABLATIONS, MODEL_ALIASES, SCOPES, default_allocation, scope_problem
 from ftc.pipeline import layer_inputs, propagate
+from ftc.sensitivity import CACHE_ENV
 from service.reports.plots import render_plots
 from service.reports.rows import ResultRow
 
@@ -176,13 +178,8 @@ def timing(loaded: tuple, options: CompressOptions, repeats: int) -> dict:
     device = torch.device(options.device)
     model.to(device)
     runs = [_timed_run(loaded, dataclasses.replace(options, allocation="uniform")) for _ in range(repeats)]
-    with tempfile.TemporaryDirectory() as cache:
-        held = os.environ.get("FTC_CACHE_DIR")
-        os.environ["FTC_CACHE_DIR"] = cache
-        try:
-            planned = [_timed_run(loaded, dataclasses.replace(options, allocation="sensitivity")) for _ in range(2)]
-        finally:
-            os.environ.pop("FTC_CACHE_DIR") if held is None else os.environ.__setitem__("FTC_CACHE_DIR", held)
+    with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {CACHE_ENV: cache}):
+        planned = [_timed_run(loaded, dataclasses.replace(options, allocation="sensitivity")) for _ in range(2)]
     model.to("cpu")
     middle = sorted(runs, key=lambda r: r["ftc_seconds"])[len(runs) // 2]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"

@@ -35,13 +35,13 @@ def compress_model(
 ) -> PipelineResult:
     """Compress `model` in place with `method`, every layer resident (small models only)."""
     stream = layer_inputs(model, layout, calibration, batch_size, device) if method.needs_data else None
-    if method.budgets is not None:  # planned already (`method_of` a manifest)
-        pass
-    elif method.whole_model_plan:  # ASVD's rank search, on the resident model, as compress() does
-        method = search_budgets(method, model, layout, calibration, batch_size=batch_size, progress=progress)
-    elif method.plans:  # a model-wide budget: survey first, as compress() does
-        copy = dataclasses.replace(stream, hidden=list(stream.hidden))  # the survey advances its own list
-        method = planned(method, survey_layers(model, layout, method, copy, device=device, progress=progress), layout)
+    if method.budgets is None:  # a manifest's method (`method_of`) is planned already
+        if method.whole_model_plan:  # ASVD's rank search, on the resident model, as compress() does
+            method = search_budgets(method, model, layout, calibration, batch_size=batch_size, progress=progress)
+        elif method.plans:  # a model-wide budget: survey first, as compress() does
+            copy = dataclasses.replace(stream, hidden=list(stream.hidden))  # the survey advances its own list
+            method = planned(method, survey_layers(model, layout, method, copy, device=device, progress=progress),
+                             layout)
     return compress_layers(model, layout, method, stream, device=device, compute_dtype=compute_dtype,
                            progress=progress)
 
