@@ -57,7 +57,8 @@ def compare(first: Path, second: Path) -> dict:
     masks = [name for name in a if name.endswith("core_mask") and not bool((a[name] == b[name]).all())]
     largest = max(float((a[n].double() - b[n].double()).abs().max()) for n in a if a[n].is_floating_point())
     same = (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
-    budgets = one.get("allocation", {}).get("layer_budgets") == two.get("allocation", {}).get("layer_budgets")
+    plans = [m.get("allocation", {}).get("layer_budgets") for m in (one, two)]
+    budgets = None if plans == [None, None] else plans[0] == plans[1]  # None: no plan to compare (uniform)
     return {"layers_with_other_choices": differing, "masks_differing": masks, "max_abs_tensor_difference": largest,
             "identical_bytes": same, "same_layer_budgets": budgets}
 
@@ -91,6 +92,10 @@ def main() -> None:
     print(render(result))
 
 
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"
+
+
 def render(result: dict) -> str:
     lines = [f"# Determinism: {result['model']}, FTC at rho {result['ratio']}, default options", "",
              f"Each run compresses in its own process; every other run is compared with `{result['against']}`. "
@@ -106,7 +111,7 @@ def render(result: dict) -> str:
             continue
         lines.append(f"| {name} | {run['seconds']:.0f} | {len(c['layers_with_other_choices'])} | "
                      f"{len(c['masks_differing'])} | {c['max_abs_tensor_difference']:.2e} | "
-                     f"{'yes' if c['identical_bytes'] else 'no'} | {'yes' if c.get('same_layer_budgets') else 'no'} | "
+                     f"{'yes' if c['identical_bytes'] else 'no'} | {_yes_no(c.get('same_layer_budgets'))} | "
                      f"{c.get('boolq_answers_differing', '-')} |")
     versions = next(iter(result["runs"].values()))["versions"]
     lines += ["", f"torch {versions['torch']}, BLAS {versions['blas']}, CPU kernels {versions['cpu_kernels']}.", ""]
