@@ -147,14 +147,16 @@ def first_layers(loaded: tuple, layers: int | None) -> tuple:
     return cut, tokenizer, source
 
 
-def _timed_run(loaded: tuple, options: CompressOptions) -> dict:
-    """A dense pass, then a whole compression right after it, so both see the same load."""
+def _timed_run(loaded: tuple, options: CompressOptions, from_file: bool = False) -> dict:
+    """A dense pass, then a whole compression right after it, so both see the same load. `from_file`:
+    the compression reads the model's file layer by layer, as `ftc compress` does, instead of the
+    model already in memory."""
     model, tokenizer, _ = loaded
     device = torch.device(options.device)
     dense = dense_forward_seconds(model, tokenizer, options)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = _clock(device)
-        manifest = compress(options, Path(tmp) / "a", loaded=loaded, progress=False)
+        manifest = compress(options, Path(tmp) / "a", loaded=None if from_file else loaded, progress=False)
         seconds = _clock(device) - t0
     phases: dict[str, float] = {}
     for layer in manifest["layers"]:
@@ -166,7 +168,7 @@ def _timed_run(loaded: tuple, options: CompressOptions) -> dict:
     return {"dense_forward_seconds": dense, "ftc_seconds": seconds, "ratio": seconds / dense, "phases": phases}
 
 
-def timing(loaded: tuple, options: CompressOptions, repeats: int) -> dict:
+def timing(loaded: tuple, options: CompressOptions, repeats: int, from_file: bool = False) -> dict:
     """FTC's compression time against one dense forward pass, measured side by side.
 
     `repeats` runs at `--allocation uniform` (what every ratio costs once a plan is kept); the ratio
@@ -177,9 +179,10 @@ def timing(loaded: tuple, options: CompressOptions, repeats: int) -> dict:
     model, _, _ = loaded
     device = torch.device(options.device)
     model.to(device)
-    runs = [_timed_run(loaded, dataclasses.replace(options, allocation="uniform")) for _ in range(repeats)]
+    runs = [_timed_run(loaded, dataclasses.replace(options, allocation="uniform"), from_file) for _ in range(repeats)]
     with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {CACHE_ENV: cache}):
-        planned = [_timed_run(loaded, dataclasses.replace(options, allocation="sensitivity")) for _ in range(2)]
+        planned = [_timed_run(loaded, dataclasses.replace(options, allocation="sensitivity"), from_file)
+                   for _ in range(2)]
     model.to("cpu")
     middle = sorted(runs, key=lambda r: r["ftc_seconds"])[len(runs) // 2]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
@@ -516,6 +519,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="--part timing: where to compress and run the dense pass (recorded per device)")
     parser.add_argument("--repeats", type=int, default=3, help="--part timing: side-by-side measurements")
+    parser.add_argument("--from-file", action="store_true",
+                        help="--part timing: compress from the model's file, as `ftc compress` does (default: from "
+                             "the model in memory)")
     parser.add_argument("--timing-layers", type=int, default=None,
                         help="--part timing: time only the first N decoder layers (default: all)")
     parser.add_argument("--limit", type=int, default=None,
@@ -607,9 +613,12 @@ def main() -> None:
             parser.error("--device cuda: no CUDA device is available")
         if "ftc_seconds" in results.get("timing", {}):  # the single-device layout of earlier runs
             results["timing"] = {}
+        if args.from_file and args.timing_layers is not None:
+            parser.error("--from-file times the whole model: drop --timing-layers")
         ftc = CompressOptions(**{**base.__dict__, "ratio": 0.4, "device": args.device})
-        results.setdefault("timing", {})[args.device] = timing(first_layers(loaded, args.timing_layers), ftc,
-                                                               args.repeats)
+        kind = f"{args.device}, from the file" if args.from_file else args.device
+        results.setdefault("timing", {})[kind] = timing(first_layers(loaded, args.timing_layers), ftc, args.repeats,
+                                                        args.from_file)
         save()
     print(render(results, out.with_suffix(".png").name))
 
