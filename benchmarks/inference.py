@@ -502,7 +502,9 @@ def run(args) -> dict:
     elif results["settings"] != settings:
         raise SystemExit(f"{args.out} holds a run with other settings ({results['settings']}); pass --fresh to "
                          "replace it or --out for another file")
-    results.update(settings=settings, command=shlex.join([sys.executable, *sys.argv]),
+    python = Path(sys.executable)  # relative inside the checkout, so the record names no machine's paths
+    python = python.relative_to(Path.cwd()) if python.is_relative_to(Path.cwd()) else python
+    results.update(settings=settings, command=shlex.join([str(python), *sys.argv]),
                    machine=machine_facts(), load_average_before=os.getloadavg())
     results.setdefault("models", {})
     args.artifacts.mkdir(parents=True, exist_ok=True)
