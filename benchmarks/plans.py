@@ -38,7 +38,7 @@ import torch
 from ftc.arch import layout_of
 from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, calibration_batch, compress
-from ftc.data import load_text, tokenize
+from ftc.data import bos_prefix, load_text, tokenize
 from ftc.evaluate import perplexity
 from ftc.loading import load_model
 from ftc.methods import make_method
@@ -78,7 +78,7 @@ def evaluate(loaded, test_ids, options: CompressOptions, budgets: list[dict]) ->
     with tempfile.TemporaryDirectory() as tmp:
         compress(options, Path(tmp) / "a", loaded=loaded, progress=False, budgets=budgets)
         model, _, _ = load_artifact(Path(tmp) / "a")
-        return perplexity(model, test_ids, 512, 64, progress=False)
+        return perplexity(model, test_ids, 512, 64, progress=False, prefix=bos_prefix(loaded[1]))
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import torch
 
 from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, calibration_batch, compress
-from ftc.data import load_text, tokenize
+from ftc.data import bos_prefix, load_text, tokenize
 from ftc.evaluate import perplexity
 from ftc.loading import load_model
 from ftc.models import ALIASES, resolve_model
@@ -194,11 +194,12 @@ def timing(loaded: tuple, options: CompressOptions, repeats: int, from_file: boo
             "sensitivity": {"fresh_plan": planned[0], "kept_plan": planned[1]}}
 
 
-def evaluated(model, test_ids: dict[str, torch.Tensor], windows: int) -> dict[str, dict]:
-    """Perplexity on each test set: `{name: {ppl, windows, tokens}}` (seq 512, the first `windows`)."""
+def evaluated(model, test_ids: dict[str, torch.Tensor], windows: int, prefix: tuple[int, ...]) -> dict[str, dict]:
+    """Perplexity on each test set: `{name: {ppl, windows, tokens}}` (seq 512, the first `windows`, each
+    after the tokenizer's `prefix`)."""
     found = {}
     for name, ids in test_ids.items():
-        ev = perplexity(model, ids, 512, windows, progress=False)
+        ev = perplexity(model, ids, 512, windows, progress=False, prefix=prefix)
         found[name] = {"ppl": ev["ppl"], "windows": ev["windows"], "tokens": ev["tokens"]}
     return found
 
@@ -219,7 +220,7 @@ def run_cell(loaded, test_ids: dict[str, torch.Tensor], options: CompressOptions
         manifest = compress(options, Path(tmp) / "artifact", loaded=loaded, progress=False)
         artifact_bytes = (Path(tmp) / "artifact" / "model.safetensors").stat().st_size
         model, _, _ = load_artifact(Path(tmp) / "artifact")
-        scores = evaluated(model, test_ids, windows)
+        scores = evaluated(model, test_ids, windows, bos_prefix(loaded[1]))
     headline = scores.pop("wikitext2")
     storage = manifest["storage"]
     return {
@@ -247,7 +248,7 @@ def added_datasets(loaded, test_ids: dict[str, torch.Tensor], options: CompressO
     with tempfile.TemporaryDirectory() as tmp:
         compress(options, Path(tmp) / "artifact", loaded=loaded, progress=False)
         model, _, _ = load_artifact(Path(tmp) / "artifact")
-        scores = evaluated(model, test_ids, windows)
+        scores = evaluated(model, test_ids, windows, bos_prefix(loaded[1]))
     return {name: {**score, "recompressed": True} for name, score in scores.items()}
 
 
@@ -575,11 +576,12 @@ def main() -> None:
         _write(out.with_suffix(".png"), plot(results))
 
     if "dense" not in results or results["dense"]["windows"] != args.windows:
-        results["dense"] = perplexity(model, test_ids["wikitext2"], 512, args.windows, progress=False)
+        results["dense"] = perplexity(model, test_ids["wikitext2"], 512, args.windows, progress=False,
+                                      prefix=bos_prefix(tokenizer))
         save()
     extra = [d for d in datasets if d != "wikitext2"]
     if missing := [d for d in extra if results["dense"].get(d, {}).get("windows") != args.windows]:
-        results["dense"] |= evaluated(model, {d: test_ids[d] for d in missing}, args.windows)
+        results["dense"] |= evaluated(model, {d: test_ids[d] for d in missing}, args.windows, bos_prefix(tokenizer))
         save()
     if args.part == "structures":  # Tucker against CP at equal storage, benchmarks/structures.py
         from structures import run as run_structures

@@ -28,7 +28,7 @@ import torch
 
 from ftc.artifact import load_artifact
 from ftc.compress import CompressOptions, compress
-from ftc.data import load_text, tokenize
+from ftc.data import bos_prefix, load_text, tokenize
 from ftc.evaluate import perplexity
 from ftc.loading import load_model
 from ftc.models import resolve_model
@@ -92,7 +92,7 @@ def measure(loaded, tune_ids: torch.Tensor, options: CompressOptions) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         manifest = compress(options, Path(tmp) / "a", loaded=loaded, progress=False)
         model, _, _ = load_artifact(Path(tmp) / "a")
-        ev = perplexity(model, tune_ids, 512, WINDOWS, progress=False)
+        ev = perplexity(model, tune_ids, 512, WINDOWS, progress=False, prefix=bos_prefix(loaded[1]))
     return {"ppl": ev["ppl"], "windows": ev["windows"], "compress_seconds": manifest["compress_seconds"],
             "choices": manifest["choices"]}
 
@@ -203,7 +203,7 @@ def main() -> None:
     loaded = (model, tokenizer, source)
     tune_ids = tokenize(tokenizer, load_text("wikitext2-tune", "test"))
     if "dense" not in results:
-        results["dense"] = perplexity(model, tune_ids, 512, WINDOWS, progress=False)
+        results["dense"] = perplexity(model, tune_ids, 512, WINDOWS, progress=False, prefix=bos_prefix(tokenizer))
         save()
     results["defaults"] = {name: repr(current(attribute)) for name, (attribute, _) in CONSTANTS.items()}
     results["defaults"].update({name: "default" for name in [*DESIGNS, *WHOLE_MODEL_DESIGNS]})

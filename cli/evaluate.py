@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from ftc.data import DatasetError, load_text, tokenize
+    from ftc.data import DatasetError, bos_prefix, load_text, tokenize
     from ftc.loading import load_model
     from ftc.models import ModelError, pick_device, resolve_model
     from ftc.tasks import task_file
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
         ids = tokenize(tokenizer, text)
         result |= {"dataset": dataset, **perplexity(model, ids, args.seq_len, args.max_windows, device=device,
-                                                     progress=not args.quiet)}
+                                                     progress=not args.quiet, prefix=bos_prefix(tokenizer))}
     if tasks:
         from ftc.downstream import evaluate_tasks
 

@@ -22,7 +22,7 @@ import torch
 from . import __version__
 from .arch import AttentionLayout, layer_types, layout_of
 from .artifact import LayerStore, assemble, extra_names, layer_entry, layer_tensors
-from .data import calibration_ids, calibration_text, ids_sha256, load_text, tokenize
+from .data import bos_prefix, calibration_ids, calibration_text, ids_sha256, load_text, tokenize
 from .methods import Method, make_method
 from .models import load_tokenizer, pick_device, resolve_model
 from .options import (
@@ -108,7 +108,7 @@ def library_versions() -> dict:
 
 def calibration_batch(tokenizer, options: CompressOptions, hidden: int) -> torch.Tensor:
     ids = calibration_ids(tokenize(tokenizer, load_text(options.calib, "validation")),
-                          options.calib_samples, options.seq_len, options.seed)
+                          options.calib_samples, options.seq_len, options.seed, bos_prefix(tokenizer))
     if ids.numel() < hidden:
         raise InputError(
             f"calibration has {ids.numel()} tokens but the model's hidden size is {hidden}: the "

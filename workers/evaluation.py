@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ftc.data import load_text, tokenize
+from ftc.data import bos_prefix, load_text, tokenize
 from ftc.evaluate import perplexity
 from ftc.loading import load_model
 from ftc.models import resolve_model
@@ -45,7 +45,7 @@ def evaluate(
         check()
         ids = tokenize(tokenizer, load_text(local, "test"))
         ppl = results["perplexity"][name] = perplexity(loaded, ids, seq_len, max_windows, device=device,
-                                                       progress=False)
+                                                       progress=False, prefix=bos_prefix(tokenizer))
         log.info("perplexity on %s: %.4f over %d windows of %d", name, ppl["ppl"], ppl["windows"], seq_len)
     if tasks:
         from ftc.downstream import evaluate_tasks

@@ -7,7 +7,18 @@ import json
 import pytest
 import torch
 
-from ftc.data import PACKAGE_DATA, DatasetError, calibration_ids, ids_sha256, load_text, text_chunks, tokenize
+from ftc.data import (
+    PACKAGE_DATA,
+    DatasetError,
+    bos_prefix,
+    calibration_ids,
+    ids_sha256,
+    load_text,
+    text_chunks,
+    tokenize,
+)
+from ftc.evaluate import perplexity
+from tests.support.tiny import tiny_model
 
 
 def test_wikitext_rows_follow_the_hugging_face_layout():
@@ -72,3 +83,54 @@ def test_calibration_windows_are_seeded():
     assert a.shape == (4, 128) and torch.equal(a, b) and not torch.equal(a, c)
     assert torch.equal(a[0], torch.arange(int(a[0, 0]), int(a[0, 0]) + 128))
     assert ids_sha256(a) == ids_sha256(b) != ids_sha256(c)
+
+
+class _Tokenizer:
+    """A tokenizer's call convention (`add_special_tokens`) with chosen special tokens around the text."""
+
+    def __init__(self, before: list[int], after: list[int]) -> None:
+        self.before, self.after = before, after
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        ids = [ord(c) for c in text]
+        return {"input_ids": self.before + ids + self.after if add_special_tokens else ids}
+
+
+def test_bos_prefix_is_what_the_tokenizer_puts_before_a_text(smollm2_tokenizer):
+    assert bos_prefix(smollm2_tokenizer) == ()  # SmolLM2 adds nothing: its windows are unchanged
+    assert bos_prefix(_Tokenizer([2], [])) == (2,)  # Gemma's <bos>
+    assert bos_prefix(_Tokenizer([2], [1])) == (2,)  # an end token is not a prefix
+    assert bos_prefix(_Tokenizer([], [1])) == ()
+
+
+def test_calibration_windows_start_with_the_prefix_then_text():
+    ids = torch.arange(100, 10_100)
+    plain, prefixed = calibration_ids(ids, 4, 128, 0), calibration_ids(ids, 4, 128, 0, (7,))
+    assert prefixed.shape == plain.shape == (4, 128)
+    assert prefixed[:, 0].tolist() == [7] * 4
+    for row in prefixed:  # then 127 consecutive tokens of the text
+        assert torch.equal(row[1:], torch.arange(int(row[1]), int(row[1]) + 127))
+
+
+def test_perplexity_scores_the_same_tokens_after_the_prefix():
+    model = tiny_model("gemma3", vocab_size=64).eval()
+    ids = torch.randint(3, 64, (3 * 16,), generator=torch.Generator().manual_seed(0))
+    got = perplexity(model, ids, 16, progress=False, batch_size=2, prefix=(1,))
+    windows = torch.cat([torch.ones(3, 1, dtype=torch.long), ids.view(3, 16)], dim=1)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=windows).logits.float(), dim=-1)
+    # positions 1..15 of each window predict its tokens 2..16: the tokens scored without a prefix
+    nll = -logp[:, 1:-1].gather(-1, windows[:, 2:, None]).mean()
+    assert got["ppl"] == pytest.approx(float(nll.exp()), rel=1e-5)
+    plain = perplexity(model, ids, 16, progress=False, batch_size=2)
+    assert plain["ppl"] != pytest.approx(got["ppl"], rel=1e-3)
+
+
+def test_compression_calibrates_on_windows_after_the_tokenizers_prefix():
+    from ftc.compress import CompressOptions, calibration_batch
+
+    options = CompressOptions(model="unused", calib_samples=3, seq_len=32)
+    assert calibration_batch(_Tokenizer([2], []), options, hidden=8)[:, 0].tolist() == [2, 2, 2]
+    plain = calibration_batch(_Tokenizer([], []), options, hidden=8)
+    assert torch.equal(plain, calibration_ids(tokenize(_Tokenizer([], []), load_text("wikitext2", "validation")),
+                                              3, 32, options.seed))

@@ -75,7 +75,7 @@ def _gemma_installed() -> bool:
 def test_gemma3_270m_loads_with_its_own_tokenizer_and_predicts_wikitext():
     import torch
 
-    from ftc.data import load_text, tokenize
+    from ftc.data import bos_prefix, load_text, tokenize
     from ftc.evaluate import perplexity
     from ftc.loading import load_model
 
@@ -87,6 +87,10 @@ def test_gemma3_270m_loads_with_its_own_tokenizer_and_predicts_wikitext():
     text = "The capital of France is Paris."
     assert tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == text
     ids = tokenize(tokenizer, load_text("wikitext2", "test"))
-    # 48.6 measured over these two windows; a wrong norm offset or attention scale gives thousands
-    result = perplexity(model.to(torch.float32), ids, 512, 2, progress=False)
-    assert 20 < result["ppl"] < 80
+    # every window starts with <bos>, as the model always saw: without it the same tokens score
+    # far worse; a wrong norm offset or attention scale gives thousands
+    assert bos_prefix(tokenizer) == (tokenizer.bos_token_id,)
+    result = perplexity(model.to(torch.float32), ids, 512, 2, progress=False, prefix=bos_prefix(tokenizer))
+    without = perplexity(model, ids, 512, 2, progress=False)
+    print(f"Gemma-3-270M, 2 windows: {result['ppl']:.2f} after <bos>, {without['ppl']:.2f} without")
+    assert 10 < result["ppl"] < 40 and without["ppl"] > 1.5 * result["ppl"]
