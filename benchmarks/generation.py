@@ -20,7 +20,7 @@ Scores per cell, against the dense model's answers to the same prompts:
   flexible last-number match) on the first `--gsm8k-limit` problems.
 
 Cells are those of `benchmarks/quality.py` (same methods, ratios, options, `--scope`), each
-compressed through `ftc.compress`, written as an artifact, reloaded from disk and asked. Finished
+compressed through `ftc.compression.compress`, written as an artifact, reloaded from disk and asked. Finished
 cells are kept and skipped on re-runs, so an interrupted run resumes; a file of other prompts (by
 sha256), token limit or GSM8K limit is refused rather than mixed.
 Writes benchmarks/results/generation_<model>[_model_scope].{json,md}.
@@ -52,12 +52,12 @@ from quality import (
     results_file,
 )
 
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, compress
-from ftc.downstream import evaluate_tasks
-from ftc.loading import load_model
-from ftc.models import resolve_model
+from ftc.compression.compress import CompressOptions, compress
+from ftc.evaluation.downstream import evaluate_tasks
+from ftc.models.registry import resolve_model
 from ftc.options import MODEL_ALIASES, SCOPES
+from ftc.runtime.artifact import load_artifact
+from ftc.runtime.loading import load_model
 
 PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
 MAX_NEW_TOKENS = 32

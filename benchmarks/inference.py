@@ -116,7 +116,7 @@ class Variant:
 
 def compress_to(folder: Path, model: str, ratio: float, scope: str, calib_samples: int, seq_len: int) -> Path:
     """An FTC artifact of `model` (compressed once; kept in `folder` for later runs)."""
-    from ftc.compress import CompressOptions, compress
+    from ftc.compression.compress import CompressOptions, compress
 
     if (folder / "manifest.json").exists():
         return folder
@@ -161,8 +161,8 @@ def save_dense(model, tokenizer, folder: Path) -> None:
 
 
 def smollm2(artifacts: Path, ratios, keeps) -> tuple[list[Variant], dict]:
-    from ftc.loading import load_model
-    from ftc.models import resolve_model
+    from ftc.models.registry import resolve_model
+    from ftc.runtime.loading import load_model
 
     dense = artifacts / "smollm2-dense"
     if not (dense / "config.json").exists():
@@ -198,7 +198,7 @@ def replicate(one_layer: Path, dense: Path, out: Path, layers: int) -> Path:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from ftc.artifact import CODE, CONFIG, MANIFEST, WEIGHTS, atomic_dir
+    from ftc.runtime.artifact import CODE, CONFIG, MANIFEST, WEIGHTS, atomic_dir
 
     if (out / MANIFEST).exists():
         return out
@@ -242,7 +242,7 @@ def llama_shape(artifacts: Path, ratios, keeps, shape: dict, tag: str, title: st
                 calib: tuple[int, int] = (4, 512)) -> tuple[list[Variant], dict]:
     """The dense random model of `shape` and its FTC artifacts (one compressed layer, replicated,
     calibrated with `calib` = (sequences, tokens))."""
-    from ftc.models import load_tokenizer, resolve_model
+    from ftc.models.registry import load_tokenizer, resolve_model
 
     layers, vocab = shape["num_hidden_layers"], shape["vocab_size"]
     dense = artifacts / f"{tag}-dense-{layers}"
@@ -269,7 +269,7 @@ def llama_shape(artifacts: Path, ratios, keeps, shape: dict, tag: str, title: st
 
 def runtime_summary(folder: Path) -> dict:
     """Forms and values held per runtime, from the config's group specs by the loader's rule."""
-    from ftc.hf.modeling_ftc import choose_form, form_costs
+    from ftc.runtime.hf.modeling_ftc import choose_form, form_costs
 
     block = json.loads((folder / "config.json").read_text())["ftc"]
     manifest = json.loads((folder / "manifest.json").read_text())
@@ -334,7 +334,7 @@ def worker(job: dict) -> dict:
     import torch
     import transformers  # noqa: F401  (imported before the interpreter's own RSS is read)
 
-    import ftc.artifact  # noqa: F401
+    import ftc.runtime.artifact  # noqa: F401
 
     rss_imports = _proc_status("VmRSS")
     threads = job["threads"]
@@ -346,7 +346,7 @@ def worker(job: dict) -> dict:
 
         model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=dtype).eval()
     else:
-        from ftc.artifact import load_artifact
+        from ftc.runtime.artifact import load_artifact
 
         model = load_artifact(Path(job["folder"]), dtype, runtime=job["runtime"])[0]
     load_seconds = time.perf_counter() - t0

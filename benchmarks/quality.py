@@ -7,7 +7,7 @@ and timing.
     .venv/bin/python benchmarks/quality.py --model gemma3-270m --part main   # needs `make models`
     .venv/bin/python benchmarks/quality.py --scope model --part main          # whole-model keep 0.8/0.6/0.4
 
-Every cell is compressed through the same `ftc.compress` entry point as the CLI, written as an
+Every cell is compressed through the same `ftc.compression.compress` entry point as the CLI, written as an
 artifact, reloaded from disk and evaluated, so the numbers are those of the checkpoint a user
 gets. Finished cells are kept in the JSON and skipped on re-runs, so an interrupted run resumes.
 A cell of an earlier run without PTB gets it on the next `main` run from a new compression with
@@ -32,15 +32,15 @@ from unittest import mock
 
 import torch
 
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, calibration_batch, compress
-from ftc.data import bos_prefix, load_text, tokenize
-from ftc.evaluate import perplexity
-from ftc.loading import load_model
-from ftc.models import ALIASES, resolve_model
+from ftc.compression.compress import CompressOptions, calibration_batch, compress
+from ftc.compression.pipeline import layer_inputs, propagate
+from ftc.compression.sensitivity import CACHE_ENV
+from ftc.evaluation.data import bos_prefix, load_text, tokenize
+from ftc.evaluation.evaluate import perplexity
+from ftc.models.registry import ALIASES, resolve_model
 from ftc.options import ABLATIONS, MODEL_ALIASES, SCOPES, default_allocation, scope_problem
-from ftc.pipeline import layer_inputs, propagate
-from ftc.sensitivity import CACHE_ENV
+from ftc.runtime.artifact import load_artifact
+from ftc.runtime.loading import load_model
 from service.reports.plots import render_plots
 from service.reports.rows import ResultRow
 
@@ -111,7 +111,7 @@ def dense_forward_seconds(model, tokenizer, options: CompressOptions) -> float:
     """Time of one dense pass of the decoder stack over the calibration tokens, batch by batch,
     hidden states kept on the host between layers as the compressing pipeline does (each layer
     with its own type's kwargs: Gemma 2/3's global layers do not take the sliding-window mask)."""
-    from ftc.arch import decoder_layers, layout_of
+    from ftc.models.arch import decoder_layers, layout_of
 
     device = torch.device(options.device)
     layout = layout_of(model.config)
@@ -134,7 +134,7 @@ def first_layers(loaded: tuple, layers: int | None) -> tuple:
         return loaded
     import copy
 
-    from ftc.arch import decoder_layers, layout_of
+    from ftc.models.arch import decoder_layers, layout_of
 
     model, tokenizer, source = loaded
     cut = copy.deepcopy(model)

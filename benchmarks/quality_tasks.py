@@ -4,8 +4,8 @@ BoolQ, MathQA). The headline is "avg5", the mean of the five a small model answe
 BoolQ stands beside it with the share of its questions the model answered "yes" (on SmolLM2 its
 accuracy follows that share, not the passage), and "avg6", the six, is kept to compare with papers.
 
-Each cell is compressed with `ftc.compress`, written as an artifact, reloaded from disk in its
-factorized form and scored by lm-eval on the `ftc_<task>` configs (`ftc.downstream`). Every row
+Each cell is compressed with `ftc.compression.compress`, written as an artifact, reloaded from disk in its
+factorized form and scored by lm-eval on the `ftc_<task>` configs (`ftc.evaluation.downstream`). Every row
 uses the same `--limit` (the first N documents of each task); the standard error of each score is
 lm-eval's, and that of an average combines its tasks as independent estimates. Each cell also keeps
 its per-document scores, so the avg5 gaps to dense and to FTC at the same ratio are paired
@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, compress
-from ftc.downstream import average, evaluate_tasks, paired_difference
-from ftc.tasks import AVG5, AVG6
-from ftc.tasks.utils import load_boolq
+from ftc.compression.compress import CompressOptions, compress
+from ftc.evaluation.downstream import average, evaluate_tasks, paired_difference
+from ftc.evaluation.tasks import AVG5, AVG6
+from ftc.evaluation.tasks.utils import load_boolq
+from ftc.runtime.artifact import load_artifact
 from service.reports.plots import render_plots
 from service.reports.rows import AVERAGE, ResultRow
 
@@ -272,7 +272,7 @@ def run_tasks_part(
 if __name__ == "__main__":
     import argparse
 
-    from ftc.models import ALIASES
+    from ftc.models.registry import ALIASES
 
     parser = argparse.ArgumentParser(description="Write a tasks table (.md, .png) again from its JSON.")
     parser.add_argument("results", type=Path, help="e.g. benchmarks/results/tasks_limit400.json")

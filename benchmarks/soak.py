@@ -102,7 +102,7 @@ def make_model(models_dir: Path) -> None:
     (the vocabulary dominates its size: about 6 MB, so moto holds a few hundred in memory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftc.models import resolve_model
+    from ftc.models.registry import resolve_model
     from tests.support.tiny import tiny_config
 
     source = resolve_model("smollm2-135m")
@@ -485,7 +485,7 @@ def history(client: redis.Redis, job_id: str) -> dict[str, Any]:
 def check_artifact(stack: Stack, team: str, job_id: str, folder: Path, written: int) -> str | None:
     """Why the job's artifact is not one loadable artifact with metrics (its manifest `written` times),
     else None."""
-    from ftc.artifact import load_artifact
+    from ftc.runtime.artifact import load_artifact
 
     if written != 1:
         return f"manifest written {written} times"

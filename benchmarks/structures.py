@@ -7,7 +7,7 @@ compression time. The `structures` part of `benchmarks/quality.py`, also runnabl
     .venv/bin/python benchmarks/structures.py --allocation sensitivity --ratios 0.4 0.2
 
 Same calibration and evaluation as the main table (32 x 512 WikiText-2 validation tokens, seed 0;
-WikiText-2 test, seq 512, 64 windows). Each cell goes through `ftc.compress`, is written as an
+WikiText-2 test, seq 512, 64 windows). Each cell goes through `ftc.compression.compress`, is written as an
 artifact, reloaded and evaluated. The per-layer error is each method's own fit of the whitened,
 slice-balanced Q/K/V tensor (relative squared error, ftc-method.md §3-§4), as recorded in its
 manifest: FTC's `error_refit`, CP's `error_fit`. Finished cells are kept and skipped on re-runs.
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, compress
-from ftc.evaluate import perplexity
+from ftc.compression.compress import CompressOptions, compress
+from ftc.evaluation.evaluate import perplexity
+from ftc.runtime.artifact import load_artifact
 
 RESULTS = Path(__file__).parent / "results"
 STRUCTURES = {"ftc": "error_refit", "cp": "error_fit"}
@@ -66,11 +66,11 @@ def layer_errors(model, tokenizer, layers: list[int], ratios: list[float]) -> li
     The metric of every listed layer comes from one pass of the calibration tokens through the
     original model (the `no_sequential` stream), so both structures see exactly the same tensor.
     """
-    from ftc.arch import decoder_layers, get_module, layout_of, projection_weights
-    from ftc.compress import calibration_batch
-    from ftc.cp import compress_cp
-    from ftc.metric import Moments, Whitening
-    from ftc.tucker import compress_tensor, head_concat
+    from ftc.compression.compress import calibration_batch
+    from ftc.models.arch import decoder_layers, get_module, layout_of, projection_weights
+    from ftc.numerics.cp import compress_cp
+    from ftc.numerics.metric import Moments, Whitening
+    from ftc.numerics.tucker import compress_tensor, head_concat
 
     layout = layout_of(model.config)
     base = CompressOptions(device="cpu", calib_samples=32, seq_len=512, seed=0)
@@ -221,9 +221,9 @@ def main() -> None:
     if args.render:
         args.out.with_suffix(".md").write_text(render(json.loads(args.out.read_text())))
         return
-    from ftc.data import load_text, tokenize
-    from ftc.loading import load_model
-    from ftc.models import resolve_model
+    from ftc.evaluation.data import load_text, tokenize
+    from ftc.models.registry import resolve_model
+    from ftc.runtime.loading import load_model
 
     torch.manual_seed(0)
     source = resolve_model("smollm2-135m")

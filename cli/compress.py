@@ -28,8 +28,8 @@ from ftc.options import (
 
 def check_inputs(model: str, device: str, datasets: list[tuple[str, str]]) -> None:
     """Resolve the model, device and dataset names up front, before any expensive loading."""
-    from ftc.data import DatasetError, load_text
-    from ftc.models import ModelError, pick_device, resolve_model
+    from ftc.evaluation.data import DatasetError, load_text
+    from ftc.models.registry import ModelError, pick_device, resolve_model
 
     try:
         resolve_model(model)
@@ -144,7 +144,7 @@ def summary(options, planned: dict[str, Any], estimate: Estimate) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ftc.compress import CompressOptions, compress, plan
+    from ftc.compression.compress import CompressOptions, compress, plan
     from ftc.options import parse_ablations
 
     try:

@@ -1,5 +1,5 @@
 """`ftc eval`: perplexity and downstream-task accuracy of an artifact folder or of a model (the
-artifact runs factorized). Tasks are scored by lm-evaluation-harness through `ftc.downstream`."""
+artifact runs factorized). Tasks are scored by lm-evaluation-harness through `ftc.evaluation.downstream`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import logging
 from typing import Any
 
 from cli.common import UsageError
+from ftc.evaluation.tasks import TASK_DIR, parse_tasks
 from ftc.options import DEVICES
-from ftc.tasks import TASK_DIR, parse_tasks
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -30,11 +30,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from ftc.data import DatasetError, bos_prefix, load_text, tokenize
-    from ftc.loading import load_model
-    from ftc.models import ModelError, pick_device, resolve_model
-    from ftc.tasks import task_file
-    from ftc.weights import check_gguf
+    from ftc.evaluation.data import DatasetError, bos_prefix, load_text, tokenize
+    from ftc.evaluation.tasks import task_file
+    from ftc.models.registry import ModelError, pick_device, resolve_model
+    from ftc.models.weights import check_gguf
+    from ftc.runtime.loading import load_model
 
     if args.model and args.dir:
         raise UsageError(f"give an artifact folder or --model, not both (DIR {args.dir} and --model {args.model})")
@@ -61,13 +61,13 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(source, torch.float32, device)
     result: dict[str, Any] = {"model": spec}
     if text is not None:
-        from ftc.evaluate import perplexity
+        from ftc.evaluation.evaluate import perplexity
 
         ids = tokenize(tokenizer, text)
         result |= {"dataset": dataset, **perplexity(model, ids, args.seq_len, args.max_windows, device=device,
                                                      progress=not args.quiet, prefix=bos_prefix(tokenizer))}
     if tasks:
-        from ftc.downstream import evaluate_tasks
+        from ftc.evaluation.downstream import evaluate_tasks
 
         if args.quiet:
             logging.getLogger("lm_eval").setLevel(logging.ERROR)

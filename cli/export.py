@@ -17,9 +17,9 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ftc.artifact import ftc_block
-    from ftc.export import export_dense
     from ftc.options import InputError
+    from ftc.runtime.artifact import ftc_block
+    from ftc.runtime.export import export_dense
 
     source = Path(args.artifact)
     if not source.is_dir():

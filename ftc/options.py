@@ -3,7 +3,7 @@
 This module imports nothing heavy so the API process can validate requests without torch.
 
 Adding a compression method is a one-place change: add its name and one-line description to
-`METHOD_DESCRIPTIONS` below, then write its class in `ftc/methods.py` under
+`METHOD_DESCRIPTIONS` below, then write its class in `ftc/compression/methods.py` under
 `@register("<name>")` (the decorator refuses a name that is not listed here, and a test checks
 that every listed name has a class). The CLI choices, the REST schema and the sweep schema all
 read `METHODS`, so nothing else changes.
@@ -91,13 +91,13 @@ activations beside the layer's Grams: 4 x 512 tokens keep a 7B-shaped layer's pe
 (benchmarks/results/memory.md); on a GPU with memory to spare, more is faster."""
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 """Storage dtypes of the compressed factors (the unit of the budget); each is the name of the
-`torch` dtype it stands for, so `ftc.compress.storage_dtype` maps it without a second table."""
+`torch` dtype it stands for, so `ftc.compression.compress.storage_dtype` maps it without a second table."""
 MODEL_ALIASES: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
-"""Built-in model names (`ftc.models.ALIASES` says where each file is and what installs it)."""
+"""Built-in model names (`ftc.models.registry.ALIASES` says where each file is and what installs it)."""
 DATASETS: tuple[str, ...] = ("wikitext2", "wikitext2-tune", "wikitext2-tokenized", "ptb")
 """Built-in dataset names; a path to a .txt or .jsonl file is accepted too. `wikitext2-tune` (the
 validation articles kept out of calibration) is for evaluation only, `wikitext2-tokenized` (the
-`<unk>` variant of the calibration articles) for calibration only (`ftc.data.load_text`)."""
+`<unk>` variant of the calibration articles) for calibration only (`ftc.evaluation.data.load_text`)."""
 EVALUATION_ONLY: tuple[str, ...] = ("wikitext2-tune",)
 CALIBRATION_ONLY: tuple[str, ...] = ("wikitext2-tokenized",)
 

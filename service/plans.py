@@ -3,7 +3,7 @@
 A plan is the layer list of ftc-method.md §15: per decoder layer and unit (attention, MLP), the
 predicted error curve and the divergence measured with that unit alone compressed. It depends on
 the model's content, the calibration, the method with its fixed choices and the scope, never on
-rho, and `ftc.sensitivity.plan_key` names it by a digest of those. Measuring one costs a few dense
+rho, and `ftc.compression.sensitivity.plan_key` names it by a digest of those. Measuring one costs a few dense
 passes; reading one costs a GET. So the service keeps each at `{team}/plans/{key}.json`
 (`{"entries": [...], "model": ..., "method": ..., "scope": ..., "created": ..., "job_id": ...}`):
 every ratio of a sweep, every retry and every later job of the team plans from the same file.
@@ -14,7 +14,7 @@ is), writes the plan atomically (one PUT) and lets the lease go; the others poll
 backoff until the plan is there. A holder that dies stops renewing: its lease expires and the
 next poller takes it over and measures. Without Redis a worker measures alone rather than fail.
 
-Torch-free: the workers adapt this to the library's `ftc.sensitivity.PlanStore` (workers/plans.py).
+Torch-free: the workers adapt this to the library's `ftc.compression.sensitivity.PlanStore` (workers/plans.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PLAN_KEY_PATTERN = r"^[0-9a-f]{64}$"
-"""A plan's name: the sha256 hex digest `ftc.sensitivity.plan_key` gives."""
+"""A plan's name: the sha256 hex digest `ftc.compression.sensitivity.plan_key` gives."""
 POLL_FIRST_SECONDS = 0.5
 """First wait of a worker whose plan another is measuring; doubles up to POLL_MAX_SECONDS."""
 POLL_MAX_SECONDS = 10.0

@@ -21,7 +21,8 @@ from pydantic import (
     model_validator,
 )
 
-from ftc.hub import parse_hub_id
+from ftc.evaluation.tasks import TASKS, parse_tasks
+from ftc.models.hub import parse_hub_id
 from ftc.options import (
     ABLATIONS,
     ALLOCATION_METHODS,
@@ -38,7 +39,6 @@ from ftc.options import (
     scope_problem,
     validate_ratio,
 )
-from ftc.tasks import TASKS, parse_tasks
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 JOB_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -83,7 +83,7 @@ def check_model(name: str) -> str:
     """A model is a built-in alias or a hub id `org/name[@revision]`, exactly what a worker opens
     (`workers.inputs.model_spec`: a folder of that name under its FTC_MODELS_DIR first, then the
     Hugging Face cache or hub). Anything else, paths included, is refused here rather than by a
-    worker after the job has queued; `ftc.hub` holds the one rule of what a hub id is."""
+    worker after the job has queued; `ftc.models.hub` holds the one rule of what a hub id is."""
     if name in MODEL_ALIASES or parse_hub_id(name) is not None:
         return name
     shown = name if len(name) <= 100 else name[:100] + "..."
@@ -203,7 +203,7 @@ SCOPE_HELP = (
 
 class Calibration(_Strict):
     dataset: DatasetName = Field("wikitext2", description="A built-in dataset name or an upload URI.")
-    # 32, as `ftc compress` (ftc.compress.CompressOptions.calib_samples): one default everywhere
+    # 32, as `ftc compress` (ftc.compression.compress.CompressOptions.calib_samples): one default everywhere
     samples: int = Field(32, ge=1, le=4096, strict=True, description="Calibration sequences.")
     seq_len: int = Field(512, ge=16, le=16384, strict=True, description="Tokens per calibration sequence.")
     seed: int = Field(0, ge=0, le=2**31 - 1, strict=True, description="Seed of the calibration windows' offsets.")

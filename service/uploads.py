@@ -119,7 +119,7 @@ def check_filename(filename: str) -> str:
 
 def check_records(path: Path, filename: str) -> None:
     """Refuse a file a worker could not calibrate on: no text at all, or (`.jsonl`) a line that is
-    not a JSON object with a `text` field, as the library reads it (ftc/data.py)."""
+    not a JSON object with a `text` field, as the library reads it (ftc/evaluation/data.py)."""
     if not filename.endswith(".jsonl"):
         with open(path, encoding="utf-8") as text:
             if not any(line.strip() for line in text):

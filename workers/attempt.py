@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 
 import redis
 
-from ftc.compress import CompressOptions, compress
-from ftc.models import resolve_model
-from ftc.tasks import task_file
-from ftc.weights import load_config
+from ftc.compression.compress import CompressOptions, compress
+from ftc.evaluation.tasks import task_file
+from ftc.models.registry import resolve_model
+from ftc.models.weights import load_config
 from service.keys import Keys
 from service.logs import set_log_context
 from service.plans import SharedPlans

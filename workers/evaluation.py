@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from ftc.data import bos_prefix, load_text, tokenize
-from ftc.evaluate import perplexity
-from ftc.loading import load_model
-from ftc.models import resolve_model
+from ftc.evaluation.data import bos_prefix, load_text, tokenize
+from ftc.evaluation.evaluate import perplexity
+from ftc.models.registry import resolve_model
+from ftc.runtime.loading import load_model
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def evaluate(
     tasks: Sequence[str] = (),
     limit: int | None = None,
 ) -> dict[str, Any]:
-    """`{"perplexity": {dataset: ...}}`, plus `"downstream"` (`ftc.downstream.evaluate_tasks`'s
+    """`{"perplexity": {dataset: ...}}`, plus `"downstream"` (`ftc.evaluation.downstream.evaluate_tasks`'s
     result: per-task accuracy, avg, limit) when `tasks` is not empty, for a model given as `--model`
     accepts it: the written artifact folder, or the dense base model as the reference.
 
@@ -48,7 +48,7 @@ def evaluate(
                                                        progress=False, prefix=bos_prefix(tokenizer))
         log.info("perplexity on %s: %.4f over %d windows of %d", name, ppl["ppl"], ppl["windows"], seq_len)
     if tasks:
-        from ftc.downstream import evaluate_tasks
+        from ftc.evaluation.downstream import evaluate_tasks
 
         check()
         downstream = results["downstream"] = evaluate_tasks(loaded, tokenizer, tasks, limit=limit)

@@ -12,8 +12,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from ftc.compress import CompressOptions
-from ftc.hub import parse_hub_id
+from ftc.compression.compress import CompressOptions
+from ftc.models.hub import parse_hub_id
 from ftc.options import MODEL_ALIASES, InputError
 from service.schemas import UPLOAD_SCHEME, JobRequest, is_upload_uri
 from service.store import ObjectMissing, ObjectStore
@@ -25,7 +25,7 @@ def model_spec(name: str, revision: str | None, models_dir: str | None) -> str:
 
     A deployment may mount models it offers under one folder: `org/name` (or `org/name@revision`)
     is first looked up there, as a Hugging Face folder or a `.gguf` file. Any other hub id is left
-    to `ftc.models.resolve_model`, which reads the shared Hugging Face cache (`HF_HOME`) and
+    to `ftc.models.registry.resolve_model`, which reads the shared Hugging Face cache (`HF_HOME`) and
     downloads into it unless `HF_HUB_OFFLINE` is set.
     """
     if name in MODEL_ALIASES:

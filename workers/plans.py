@@ -1,6 +1,6 @@
 """The service's shared layer plans (service/plans.py) as the library's `PlanStore`.
 
-`ftc.compress.compress(..., plan_store=...)` calls `curves(key, measure)` when a job's allocation
+`ftc.compression.compress.compress(..., plan_store=...)` calls `curves(key, measure)` when a job's allocation
 is `sensitivity`; this hands the call to `SharedPlans`, which reads the team's plan from the
 object store or measures it once among every worker, and converts between the library's
 `UnitCurve` and the plan's JSON entries (`dataclasses.asdict`).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ftc.sensitivity import PlanStore, UnitCurve
+from ftc.compression.sensitivity import PlanStore, UnitCurve
 from service.plans import SharedPlans
 
 CURVE_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(UnitCurve))

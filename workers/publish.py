@@ -3,7 +3,7 @@
 The uploaded `manifest.json` is the library's manifest plus a `files` table (size and sha256 of
 every other file), written by `ObjectStore.finalise` only once all of them are in place, so the
 job folder is a complete artifact exactly when its manifest exists. Downloading the folder (without
-`checkpoints/` and `dense/`) gives what `ftc.artifact.load_artifact` and transformers (with
+`checkpoints/` and `dense/`) gives what `ftc.runtime.artifact.load_artifact` and transformers (with
 `trust_remote_code=True`) read; `dense/`, when the job asked for it, is a stock checkpoint.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ftc.artifact import MANIFEST
+from ftc.runtime.artifact import MANIFEST
 from service.artifacts import media_type
 from service.store import ObjectStore
 from service.store.layout import DENSE, METRICS
@@ -47,7 +47,7 @@ def upload_outputs(store: ObjectStore, job_prefix: str, folder: Path, outputs: l
     """
     files = upload_artifact(store, job_prefix, folder)
     if "dense" in outputs:
-        from ftc.export import export_dense
+        from ftc.runtime.export import export_dense
 
         dense = Path(folder).parent / "dense"
         try:

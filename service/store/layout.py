@@ -57,5 +57,5 @@ def plans_prefix(team: str) -> str:
 
 
 def plan_object(team: str, key: str) -> str:
-    """Where the team's layer plan `key` (`ftc.sensitivity.plan_key`) is kept."""
+    """Where the team's layer plan `key` (`ftc.compression.sensitivity.plan_key`) is kept."""
     return f"{plans_prefix(team)}{key}.json"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cli.compress import FIRST_TIME_DENSE_PASSES, REFERENCE, estimate_run
 from cli.main import main
-from ftc.compress import CompressOptions
+from ftc.compression.compress import CompressOptions
 from ftc.options import default_allocation
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "quality.json"

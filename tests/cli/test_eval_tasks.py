@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from ftc.tasks import TASK_DIR
+from ftc.evaluation.tasks import TASK_DIR
 
 FTC = [sys.executable, "-m", "cli"]
 LM_EVAL = [sys.executable, "-m", "lm_eval"]
-FTC_LM_EVAL = [sys.executable, "-m", "ftc.harness"]
+FTC_LM_EVAL = [sys.executable, "-m", "ftc.evaluation.harness"]
 TASKS = ("arc_easy", "boolq")
 LIMIT = 3
 pytestmark = pytest.mark.timeout(900)

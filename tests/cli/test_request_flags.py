@@ -69,7 +69,7 @@ def test_the_method_flag_offers_the_list_and_refuses_free_text(capsys) -> None:
 
 
 def test_one_calibration_default_everywhere() -> None:
-    from ftc.compress import CompressOptions
+    from ftc.compression.compress import CompressOptions
 
     compress = {name: action for action in options_of("compress").values() for name in action.option_strings}
     library = CompressOptions(model="m").calib_samples

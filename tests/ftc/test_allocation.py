@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from ftc.allocation import Curve, _hull, candidate_ratios, choose, heterogeneous_ratios, lowrank_curve
-from ftc.arch import layout_of
-from ftc.lowrank import eig_whitened_svd
-from ftc.methods import make_method
+from ftc.compression.methods import make_method
+from ftc.models.arch import layout_of
+from ftc.numerics.allocation import Curve, _hull, candidate_ratios, choose, heterogeneous_ratios, lowrank_curve
+from ftc.numerics.lowrank import eig_whitened_svd
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
 

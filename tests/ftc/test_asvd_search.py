@@ -11,16 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftc import sensitivity
-from ftc.arch import decoder_layers, get_module, layout_of
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, compress
-from ftc.lowrank import scaled_svd
-from ftc.methods import make_method
-from ftc.metric import Moments
-from ftc.options import ASVD_SENSITIVITY_SEQUENCES, ASVD_UNLISTED_RATIO, InputError
-from ftc.pipeline import capture_input, context_stats, layer_inputs, propagate
-from ftc.sensitivity import (
+from ftc.compression import sensitivity
+from ftc.compression.compress import CompressOptions, compress
+from ftc.compression.methods import make_method
+from ftc.compression.pipeline import capture_input, context_stats, layer_inputs, propagate
+from ftc.compression.sensitivity import (
     CACHE_ENV,
     Sensitivity,
     cache_folder,
@@ -30,7 +25,12 @@ from ftc.sensitivity import (
     threshold_ratios,
     whole_model,
 )
-from ftc.weights import ModuleSource
+from ftc.models.arch import decoder_layers, get_module, layout_of
+from ftc.models.weights import ModuleSource
+from ftc.numerics.lowrank import scaled_svd
+from ftc.numerics.metric import Moments
+from ftc.options import ASVD_SENSITIVITY_SEQUENCES, ASVD_UNLISTED_RATIO, InputError
+from ftc.runtime.artifact import load_artifact
 from tests.support.pipeline import compress_loaded, compress_model
 from tests.support.tiny import tiny_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftc.cp import (
+from ftc.numerics.cp import (
     CPFactors,
     compress_cp,
     cp_als,
@@ -15,9 +15,9 @@ from ftc.cp import (
     cp_storage_values,
     hosvd_init,
 )
-from ftc.metric import Whitening
-from ftc.stored import build_modules, cp_tensors
-from ftc.tucker import hosvd
+from ftc.numerics.metric import Whitening
+from ftc.numerics.tucker import hosvd
+from ftc.runtime.stored import build_modules, cp_tensors
 
 D = torch.float64
 

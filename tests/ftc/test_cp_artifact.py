@@ -11,13 +11,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ftc.arch import layout_of
-from ftc.artifact import WEIGHTS, load_artifact
-from ftc.compress import CompressOptions, calibration_batch, compress
-from ftc.export import export_dense
-from ftc.methods import make_method
-from ftc.pipeline import compress_layers, layer_inputs
-from ftc.stored import stored_values
+from ftc.compression.compress import CompressOptions, calibration_batch, compress
+from ftc.compression.methods import make_method
+from ftc.compression.pipeline import compress_layers, layer_inputs
+from ftc.models.arch import layout_of
+from ftc.runtime.artifact import WEIGHTS, load_artifact
+from ftc.runtime.export import export_dense
+from ftc.runtime.stored import stored_values
 
 RATIO = 0.4
 IDS = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(5))

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ftc.data import (
+from ftc.evaluation.data import (
     PACKAGE_DATA,
     DatasetError,
     bos_prefix,
@@ -17,7 +17,7 @@ from ftc.data import (
     text_chunks,
     tokenize,
 )
-from ftc.evaluate import perplexity
+from ftc.evaluation.evaluate import perplexity
 from tests.support.tiny import tiny_model
 
 
@@ -127,7 +127,7 @@ def test_perplexity_scores_the_same_tokens_after_the_prefix():
 
 
 def test_compression_calibrates_on_windows_after_the_tokenizers_prefix():
-    from ftc.compress import CompressOptions, calibration_batch
+    from ftc.compression.compress import CompressOptions, calibration_batch
 
     options = CompressOptions(model="unused", calib_samples=3, seq_len=32)
     assert calibration_batch(_Tokenizer([2], []), options, hidden=8)[:, 0].tolist() == [2, 2, 2]

@@ -14,10 +14,10 @@ import contextlib
 import pytest
 import torch
 
-from ftc.arch import layout_of
-from ftc.methods import make_method
-from ftc.metric import Moments, Whitening
-from ftc.tucker import compress_tensor
+from ftc.compression.methods import make_method
+from ftc.models.arch import layout_of
+from ftc.numerics.metric import Moments, Whitening
+from ftc.numerics.tucker import compress_tensor
 from tests.support.pipeline import compress_model
 from tests.support.tiny import LAYOUTS, tiny_model
 

@@ -14,12 +14,12 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
-from ftc.downstream import average, document_scores, evaluate_tasks, paired_difference
-from ftc.harness import OFFLINE, offline
-from ftc.loading import load_model
-from ftc.models import resolve_model
+from ftc.evaluation.downstream import average, document_scores, evaluate_tasks, paired_difference
+from ftc.evaluation.harness import OFFLINE, offline
+from ftc.evaluation.tasks import AVG6, PREFIX, TASK_DIR, TASKS, TaskDataError, parse_tasks, task_file
+from ftc.models.registry import resolve_model
 from ftc.options import InputError
-from ftc.tasks import AVG6, PREFIX, TASK_DIR, TASKS, TaskDataError, parse_tasks, task_file
+from ftc.runtime.loading import load_model
 
 UPSTREAM = Path(lm_eval.tasks.__file__).parent
 UPSTREAM_CONFIG = {
@@ -174,5 +174,5 @@ def test_offline_turns_the_hub_switches_on_inside_and_restores_them_after(monkey
 def test_the_installed_package_declares_the_ftc_backend_in_lm_evals_plugin_group():
     # lm-eval releases that read the group resolve `--model ftc` through this entry point
     declared = importlib.metadata.entry_points(group="lm_eval.models")
-    assert [entry.value for entry in declared if entry.name == "ftc"] == ["ftc.harness:FTCLM"]
+    assert [entry.value for entry in declared if entry.name == "ftc"] == ["ftc.evaluation.harness:FTCLM"]
     assert next(entry for entry in declared if entry.name == "ftc").load() is get_model("ftc")

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ftc import export
-from ftc.artifact import load_artifact
-from ftc.export import INDEX, export_dense
+from ftc.runtime import export
+from ftc.runtime.artifact import load_artifact
+from ftc.runtime.export import INDEX, export_dense
 
 IDS = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(11))
 

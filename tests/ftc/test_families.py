@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ftc.arch import UnsupportedModel, decoder_layers, layer_types, layout_of, projection_weights
-from ftc.artifact import load_artifact
-from ftc.export import export_dense
-from ftc.hf.modeling_ftc import place
+from ftc.compression.pipeline import layer_inputs, propagate
+from ftc.models.arch import UnsupportedModel, decoder_layers, layer_types, layout_of, projection_weights
 from ftc.options import METHODS
-from ftc.pipeline import layer_inputs, propagate
+from ftc.runtime.artifact import load_artifact
+from ftc.runtime.export import export_dense
+from ftc.runtime.hf.modeling_ftc import place
 from tests.support.pipeline import compress_loaded, compress_model, method_of
 from tests.support.tiny import tiny_model
 
@@ -97,7 +97,7 @@ def test_an_unsupported_family_names_the_supported_ones():
 
 
 def test_the_dry_run_shows_the_family_its_layer_types_and_projections(tiny_folder):
-    from ftc.compress import CompressOptions, plan
+    from ftc.compression.compress import CompressOptions, plan
 
     shown = plan(CompressOptions(model=str(tiny_folder("gemma3", layers=4)), ratio=0.3, device="cpu"))
     assert shown["model_type"] == "gemma3_text" and shown["layers"] == 4
@@ -106,7 +106,7 @@ def test_the_dry_run_shows_the_family_its_layer_types_and_projections(tiny_folde
 
 
 def test_the_dry_run_names_phi3s_fused_projection(tiny_folder):
-    from ftc.compress import CompressOptions, plan
+    from ftc.compression.compress import CompressOptions, plan
 
     shown = plan(CompressOptions(model=str(tiny_folder("phi3")), ratio=0.3, device="cpu"))
     assert shown["model_type"] == "phi3" and shown["fused_qkv"] == "self_attn.qkv_proj"

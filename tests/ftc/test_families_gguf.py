@@ -1,5 +1,5 @@
 """Gemma 3 from GGUF: transformers' GGUF loader reads the config, our per-tensor reader
-(`ftc.weights.GGUFSource`) gives back every tensor of the checkpoint it was written from."""
+(`ftc.models.weights.GGUFSource`) gives back every tensor of the checkpoint it was written from."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from ftc.arch import layout_of
-from ftc.weights import GGUFSource
+from ftc.models.arch import layout_of
+from ftc.models.weights import GGUFSource
 from tests.support.tiny import tiny_model
 
 gguf = pytest.importorskip("gguf")

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from ftc.arch import layout_of
-from ftc.lowrank import guarded_whitened_svd, truncated_svd, weighted_error
-from ftc.methods import make_method
-from ftc.metric import MAX_EPS, Whitening, guarded_fit
+from ftc.compression.methods import make_method
+from ftc.models.arch import layout_of
+from ftc.numerics.lowrank import guarded_whitened_svd, truncated_svd, weighted_error
+from ftc.numerics.metric import MAX_EPS, Whitening, guarded_fit
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
 

@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from ftc.artifact import load_artifact
-from ftc.hf.modeling_ftc import FactorGroup, TuckerGroup, choose_form, form_costs
+from ftc.runtime.artifact import load_artifact
+from ftc.runtime.hf.modeling_ftc import FactorGroup, TuckerGroup, choose_form, form_costs
 from tests.support.tiny import LAYOUTS
 
 IDS = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(7))

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ftc.hub import HubId, ModelError, commit_of, model_kind, parse_hub_id
-from ftc.models import resolve_model
+from ftc.models.hub import HubId, ModelError, commit_of, model_kind, parse_hub_id
+from ftc.models.registry import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN_SHA = "1" * 40
@@ -60,7 +60,7 @@ def hf_home(tmp_path_factory: pytest.TempPathFactory, tiny_folder) -> Path:
 
 RESOLVE = """
 import json, sys
-from ftc.models import ModelError, resolve_model
+from ftc.models.registry import ModelError, resolve_model
 out = {}
 for spec in sys.argv[1:]:
     try:

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftc import sensitivity
-from ftc.allocation import Curve, choose
-from ftc.arch import decoder_layers, get_module, layout_of, set_module
-from ftc.compress import CompressOptions, compress
-from ftc.methods import make_method
+from ftc.compression import sensitivity
+from ftc.compression.compress import CompressOptions, compress
+from ftc.compression.methods import make_method
+from ftc.compression.sensitivity import CACHE_ENV, Sensitivity, UnitCurve, gains_plan, layer_plan, layer_sensitivities
+from ftc.models.arch import decoder_layers, get_module, layout_of, set_module
+from ftc.numerics.allocation import Curve, choose
 from ftc.options import ASVD_SENSITIVITY_SEQUENCES, LAYER_RATIO_CANDIDATES, PLAN_REFERENCE_RATIO, InputError
-from ftc.sensitivity import CACHE_ENV, Sensitivity, UnitCurve, gains_plan, layer_plan, layer_sensitivities
 from tests.ftc.test_asvd_search import BATCH, CPU, _calibration, _confident
 from tests.ftc.test_registry import default
 from tests.support.pipeline import compress_model
@@ -123,7 +123,7 @@ def test_each_streamed_divergence_is_that_of_the_unit_alone_compressed(layout_na
     that unit of layer l compressed at the reference ratio, measured through an independent route (the
     whole model compressed at that ratio on the original stream, the unit put into a copy of the
     original model, full forwards), and its predicted errors fall as the ratio grows."""
-    from ftc.weights import ModuleSource
+    from ftc.models.weights import ModuleSource
 
     model = _confident(layout_name)
     layout = layout_of(model.config)

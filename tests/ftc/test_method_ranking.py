@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ftc.arch import decoder_layers, get_module, layout_of
-from ftc.methods import KEY_WEIGHT, make_method
+from ftc.compression.methods import KEY_WEIGHT, make_method
+from ftc.models.arch import decoder_layers, get_module, layout_of
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_config, tiny_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftc.lowrank import (
+from ftc.numerics.lowrank import (
     anchored_rhs,
     budget_rank,
     calibrated_wo,
@@ -14,7 +14,7 @@ from ftc.lowrank import (
     weighted_error,
     whitened_svd,
 )
-from ftc.metric import Moments, Whitening, damp, guarded_cholesky
+from ftc.numerics.metric import Moments, Whitening, damp, guarded_cholesky
 
 torch.manual_seed(0)
 D = torch.float64
@@ -64,9 +64,9 @@ def test_whitened_error_equals_activation_weighted_error():
 
 @pytest.mark.parametrize("balance", [True, False])
 def test_weighted_error_in_column_steps_is_the_definition(monkeypatch, balance):
-    import ftc.lowrank
+    import ftc.numerics.lowrank
 
-    monkeypatch.setattr(ftc.lowrank, "COLUMNS", 3)  # 7 columns: steps of 3, 3 and 1
+    monkeypatch.setattr(ftc.numerics.lowrank, "COLUMNS", 3)  # 7 columns: steps of 3, 3 and 1
     x = _activations()
     gram = x.T @ x / x.shape[0]
     w, approx = torch.randn(4, 24, 7, dtype=D), torch.randn(4, 24, 7, dtype=D)
@@ -146,8 +146,8 @@ def test_the_compressed_wo_is_the_best_of_its_rank_for_the_anchored_objective():
     The paper's metric (`wo_student_metric`, `C_s` alone) is exact only without the anchor, so it
     must do worse here; FTC's must match the optimum computed another way (up to its damping).
     """
-    from ftc.arch import AttentionLayout
-    from ftc.methods import ContextStats, make_method
+    from ftc.compression.methods import ContextStats, make_method
+    from ftc.models.arch import AttentionLayout
 
     m, d, n = 16, 12, 300
     a_t = _activations(n, m)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ftc.hub import ModelError
-from ftc.models import ALIASES, Alias, alias_source, resolve_model
+from ftc.models.hub import ModelError
+from ftc.models.registry import ALIASES, Alias, alias_source, resolve_model
 from ftc.options import MODEL_ALIASES
 
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -75,9 +75,9 @@ def _gemma_installed() -> bool:
 def test_gemma3_270m_loads_with_its_own_tokenizer_and_predicts_wikitext():
     import torch
 
-    from ftc.data import bos_prefix, load_text, tokenize
-    from ftc.evaluate import perplexity
-    from ftc.loading import load_model
+    from ftc.evaluation.data import bos_prefix, load_text, tokenize
+    from ftc.evaluation.evaluate import perplexity
+    from ftc.runtime.loading import load_model
 
     model, tokenizer = load_model(resolve_model("gemma3-270m"))
     config = model.config

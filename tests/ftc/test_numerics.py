@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftc.lowrank import weighted_error
-from ftc.metric import ActivationError, Moments, Whitening, damp, damped_factors
-from ftc.tucker import (
+from ftc.numerics.lowrank import weighted_error
+from ftc.numerics.metric import ActivationError, Moments, Whitening, damp, damped_factors
+from ftc.numerics.tucker import (
     TuckerFactors,
     allocate,
     core_capacity,
@@ -177,9 +177,9 @@ def test_float32_chunk_grams_equal_float64_grams(dim):
 
 
 def test_blockwise_16bit_linear_equals_the_float32_linear(monkeypatch):
-    import ftc.weights
+    import ftc.models.weights
 
-    monkeypatch.setattr(ftc.weights, "UPCAST_ROWS", 7)  # several blocks and a ragged last one
+    monkeypatch.setattr(ftc.models.weights, "UPCAST_ROWS", 7)  # several blocks and a ragged last one
     g = torch.Generator().manual_seed(6)
     linear = torch.nn.Linear(24, 30)
     with torch.no_grad():
@@ -189,6 +189,6 @@ def test_blockwise_16bit_linear_equals_the_float32_linear(monkeypatch):
     for dtype in (torch.float16, torch.bfloat16):
         half = linear.weight.detach().to(dtype)
         linear.weight = torch.nn.Parameter(half, requires_grad=False)
-        linear.__class__ = ftc.weights.BlockwiseLinear
+        linear.__class__ = ftc.models.weights.BlockwiseLinear
         torch.testing.assert_close(linear(x), reference(x, half.float(), linear.bias), rtol=1e-6, atol=1e-6)
         assert linear.weight.dtype == dtype

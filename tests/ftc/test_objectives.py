@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from ftc.arch import layout_of
-from ftc.lowrank import weighted_error
-from ftc.methods import make_method
-from ftc.metric import Moments
-from ftc.tucker import head_concat, hosvd, project_core, prune_refit, refit, top_k_mask, tucker_error
+from ftc.compression.methods import make_method
+from ftc.models.arch import layout_of
+from ftc.numerics.lowrank import weighted_error
+from ftc.numerics.metric import Moments
+from ftc.numerics.tucker import head_concat, hosvd, project_core, prune_refit, refit, top_k_mask, tucker_error
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_config, tiny_model
 

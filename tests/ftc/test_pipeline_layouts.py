@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ftc.arch import layout_of
-from ftc.artifact import WEIGHTS
-from ftc.data import load_text
-from ftc.methods import Method, make_method
+from ftc.compression.methods import Method, make_method
+from ftc.evaluation.data import load_text
+from ftc.models.arch import layout_of
 from ftc.options import ABLATIONS, MLP_ABLATIONS
-from ftc.stored import stored_values
+from ftc.runtime.artifact import WEIGHTS
+from ftc.runtime.stored import stored_values
 from tests.support.pipeline import compress_loaded, compress_model, method_of
 from tests.support.tiny import LAYOUTS, tiny_model
 
@@ -69,7 +69,7 @@ def test_layout_compresses_and_reloads_with_the_same_logits(layout_name, method,
 
 @pytest.mark.parametrize("layout_name", ["gqa", "phi3"])
 def test_asvd_rank_search_reloads_with_the_in_memory_logits(layout_name, tmp_path, tiny_run):
-    """ASVD plans on the whole model (ftc.sensitivity); one plain and one fused Q/K/V layout."""
+    """ASVD plans on the whole model (ftc.compression.sensitivity); one plain and one fused Q/K/V layout."""
     model, reloaded, manifest, calib = _compress(tiny_run, tmp_path / "a", layout_name, "asvd", 0.4)
     expected_model = _in_memory(model, make_method("asvd", 0.4, torch.float32), calib)  # its own search
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))

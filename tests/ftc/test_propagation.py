@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from ftc.arch import decoder_layers, layout_of
-from ftc.pipeline import context_stats, layer_inputs, propagate
+from ftc.compression.pipeline import context_stats, layer_inputs, propagate
+from ftc.models.arch import decoder_layers, layout_of
 from tests.support.tiny import LAYOUTS, tiny_model
 
 
@@ -31,7 +31,7 @@ def test_replayed_attention_context_gives_the_full_forward(layout_name):
 
 
 def test_a_batch_replayed_in_pieces_equals_the_batch_replayed_whole(monkeypatch):
-    import ftc.pipeline
+    import ftc.compression.pipeline
 
     model = tiny_model("gqa")
     layout = layout_of(model.config)
@@ -39,7 +39,7 @@ def test_a_batch_replayed_in_pieces_equals_the_batch_replayed_whole(monkeypatch)
     layer = decoder_layers(model, layout)[0]
     results = []
     for tokens in (10_000, 48):  # one piece; then two sequences a piece, the last piece one
-        monkeypatch.setattr(ftc.pipeline, "REPLAY_TOKENS", tokens)
+        monkeypatch.setattr(ftc.compression.pipeline, "REPLAY_TOKENS", tokens)
         stream = layer_inputs(model, layout, ids, 5, torch.device("cpu"))
         _, contexts = context_stats(layer, layout, stream, None, keep="teacher")
         propagate(layer, stream, layout, contexts)
@@ -48,7 +48,7 @@ def test_a_batch_replayed_in_pieces_equals_the_batch_replayed_whole(monkeypatch)
 
 
 def test_a_16bit_layer_stays_16bit_and_computes_as_its_float32_copy(tmp_path):
-    from ftc.weights import BlockwiseLinear, SafetensorsSource, materialize, skeleton
+    from ftc.models.weights import BlockwiseLinear, SafetensorsSource, materialize, skeleton
 
     model = tiny_model("gqa").half()
     model.save_pretrained(tmp_path)
@@ -68,9 +68,9 @@ def test_a_16bit_layer_stays_16bit_and_computes_as_its_float32_copy(tmp_path):
 
 
 def test_a_streamed_layer_loads_its_mlp_only_after_the_attention_math(tmp_path):
-    from ftc.methods import make_method
-    from ftc.pipeline import after_attention, compress_layers
-    from ftc.weights import SafetensorsSource, skeleton
+    from ftc.compression.methods import make_method
+    from ftc.compression.pipeline import after_attention, compress_layers
+    from ftc.models.weights import SafetensorsSource, skeleton
 
     model = tiny_model("gqa", layers=2)
     model.save_pretrained(tmp_path)

@@ -7,9 +7,10 @@ import inspect
 import pytest
 import torch
 
-from ftc import lowrank, metric, sensitivity, tucker
-from ftc.compress import storage_dtype
-from ftc.methods import ANCHOR, METHOD_CLASSES, SINK_WEIGHT, Method, make_method, register
+from ftc.compression import sensitivity
+from ftc.compression.compress import storage_dtype
+from ftc.compression.methods import ANCHOR, METHOD_CLASSES, SINK_WEIGHT, Method, make_method, register
+from ftc.numerics import lowrank, metric, tucker
 from ftc.options import DTYPES, METHOD_DESCRIPTIONS, METHODS, InputError
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftc.metric import Whitening
-from ftc.tucker import compress_tensor
+from ftc.numerics.metric import Whitening
+from ftc.numerics.tucker import compress_tensor
 
 D = torch.float64
 

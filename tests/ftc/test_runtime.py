@@ -9,10 +9,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ftc.arch import decoder_layers, layout_of
-from ftc.artifact import load_artifact
-from ftc.cp import CPFactors
-from ftc.hf.modeling_ftc import (
+from ftc.compression.pipeline import layer_inputs
+from ftc.models.arch import decoder_layers, layout_of
+from ftc.numerics.cp import CPFactors
+from ftc.numerics.tucker import TuckerFactors
+from ftc.options import InputError
+from ftc.runtime.artifact import load_artifact
+from ftc.runtime.hf.modeling_ftc import (
     FactorGroup,
     FormCost,
     FusedProjection,
@@ -23,10 +26,7 @@ from ftc.hf.modeling_ftc import (
     place,
     projections,
 )
-from ftc.options import InputError
-from ftc.pipeline import layer_inputs
-from ftc.stored import build_group, cp_tensors, lowrank_tensors, pack_mask, tucker_tensors
-from ftc.tucker import TuckerFactors
+from ftc.runtime.stored import build_group, cp_tensors, lowrank_tensors, pack_mask, tucker_tensors
 from tests.support.tiny import LAYOUTS, tiny_model
 
 IDS = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -354,8 +354,8 @@ def _specs(model) -> list[dict]:
 
 
 def test_the_lm_eval_backend_runs_the_same_runtime(tiny_artifact):
-    from ftc.harness import FTCLM
-    from ftc.models import ModelError
+    from ftc.evaluation.harness import FTCLM
+    from ftc.models.registry import ModelError
 
     folder = str(tiny_artifact("gqa"))
     speed = FTCLM(pretrained=folder, device="cpu")

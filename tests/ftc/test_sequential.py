@@ -12,10 +12,10 @@ import copy
 import pytest
 import torch
 
-from ftc.arch import decoder_layers, get_module, layout_of, set_module
-from ftc.methods import SINK_WEIGHT, make_method
+from ftc.compression.methods import SINK_WEIGHT, make_method
+from ftc.compression.pipeline import layer_inputs, survey_layers
+from ftc.models.arch import decoder_layers, get_module, layout_of, set_module
 from ftc.options import ABLATIONS, MLP_ABLATIONS
-from ftc.pipeline import layer_inputs, survey_layers
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
 

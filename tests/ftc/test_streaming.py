@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from ftc.arch import UnsupportedModel, layout_of
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, compress
+from ftc.compression.compress import CompressOptions, compress
+from ftc.models.arch import UnsupportedModel, layout_of
 from ftc.options import InputError
+from ftc.runtime.artifact import load_artifact
 from tests.support.pipeline import compress_loaded
 from tests.support.tiny import tiny_model
 
@@ -94,7 +94,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path):
 
 def test_the_dry_run_counts_the_whole_model_where_the_plan_needs_it(tiny_folder, smollm2_tokenizer):
     """asvd's search holds the whole float32 model; the streamed plans (global, sensitivity) do not."""
-    from ftc.compress import CompressOptions, plan
+    from ftc.compression.compress import CompressOptions, plan
 
     folder = tiny_folder("gqa")
     model = tiny_model("gqa", vocab_size=len(smollm2_tokenizer))
@@ -115,9 +115,9 @@ def test_an_unsupported_architecture_fails_fast_naming_the_supported_ones():
 
 
 def test_gguf_tensors_stream_exactly_as_transformers_loads_them():
-    from ftc.loading import load_model
-    from ftc.models import resolve_model
-    from ftc.weights import open_weights
+    from ftc.models.registry import resolve_model
+    from ftc.models.weights import open_weights
+    from ftc.runtime.loading import load_model
 
     source = resolve_model("smollm2-135m")
     streamed = open_weights(source)
@@ -134,7 +134,7 @@ def test_joined_safetensors_hold_every_input_tensor_unchanged(tmp_path):
     """The artifact's weights file is the inputs' data sections copied verbatim under a merged header."""
     from safetensors.torch import load_file, save_file
 
-    from ftc.artifact import concat_safetensors
+    from ftc.runtime.artifact import concat_safetensors
 
     gen = torch.Generator().manual_seed(0)
     parts = [
@@ -164,6 +164,6 @@ def test_a_work_dir_is_not_resumed_by_a_method_with_other_fixed_choices(tiny_fol
     work = tmp_path / "work"
     compress(CompressOptions(**fields), tmp_path / "a", work_dir=work, progress=False)
     assert compress(CompressOptions(**fields), tmp_path / "b", work_dir=work, progress=False)["resumed_from_layer"] == 2
-    monkeypatch.setattr("ftc.methods.KEY_WEIGHT", 2.0)
+    monkeypatch.setattr("ftc.compression.methods.KEY_WEIGHT", 2.0)
     with pytest.raises(InputError, match="different run"):
         compress(CompressOptions(**fields), tmp_path / "c", work_dir=work, progress=False)

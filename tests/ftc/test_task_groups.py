@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from lm_eval.tasks import TaskManager
 
-from ftc.downstream import average, group_averages
+from ftc.evaluation.downstream import average, group_averages
+from ftc.evaluation.tasks import AVG5, AVG6, GROUPS, PREFIX, TASK_DIR, parse_tasks
 from ftc.options import InputError
-from ftc.tasks import AVG5, AVG6, GROUPS, PREFIX, TASK_DIR, parse_tasks
 
 
 def test_avg5_is_avg6_without_boolq():

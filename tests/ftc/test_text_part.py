@@ -15,13 +15,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
 
-from ftc.arch import TEXT_PARTS, UnsupportedModel, layout_of
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, calibration_batch, compress
-from ftc.export import export_dense
-from ftc.models import ModelSource
+from ftc.compression.compress import CompressOptions, calibration_batch, compress
+from ftc.models.arch import TEXT_PARTS, UnsupportedModel, layout_of
+from ftc.models.registry import ModelSource
+from ftc.models.weights import text_part
 from ftc.options import InputError
-from ftc.weights import text_part
+from ftc.runtime.artifact import load_artifact
+from ftc.runtime.export import export_dense
 from tests.support.pipeline import compress_model, method_of
 from tests.support.tiny import tiny_multimodal
 

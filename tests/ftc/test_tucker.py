@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from ftc.metric import Whitening
-from ftc.tucker import (
+from ftc.numerics.metric import Whitening
+from ftc.numerics.tucker import (
     _EnergyTable,
     allocate,
     compress_tensor,

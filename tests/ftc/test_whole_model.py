@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ftc.arch import decoder_layers, get_module, layout_of, set_module
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, compress
-from ftc.methods import ANCHOR, SINK_WEIGHT, ContextStats, make_method
-from ftc.metric import Moments
+from ftc.compression.compress import CompressOptions, compress
+from ftc.compression.methods import ANCHOR, SINK_WEIGHT, ContextStats, make_method
+from ftc.models.arch import decoder_layers, get_module, layout_of, set_module
+from ftc.numerics.metric import Moments
 from ftc.options import InputError
+from ftc.runtime.artifact import load_artifact
 from tests.support.pipeline import compress_model
 from tests.support.tiny import LAYOUTS, tiny_model
 
@@ -173,7 +173,7 @@ def test_budgets_that_hold_every_projection_reproduce_the_model(monkeypatch):
     cores, a `W_down` target equal to the original when gate and up are): the logits are the
     original's. The damping of the calibrated solves (§3, relative 1e-4 by default) is the one
     deliberate bias left; it is set negligible here, the Grams being well conditioned."""
-    monkeypatch.setattr("ftc.metric.DEFAULT_EPS", 1e-12)
+    monkeypatch.setattr("ftc.numerics.metric.DEFAULT_EPS", 1e-12)
     model = tiny_model("gqa", layers=2)
     layout = layout_of(model.config)
     with torch.no_grad():
@@ -201,7 +201,7 @@ def test_every_family_compresses_its_mlp_reloads_and_exports(layout_name, tiny_f
     checkpoint computing the same."""
     from transformers import AutoModelForCausalLM
 
-    from ftc.export import export_dense
+    from ftc.runtime.export import export_dense
 
     folder = tiny_folder(layout_name)
     options = CompressOptions(model=str(folder), device="cpu", ratio=0.5, calib_samples=4, seq_len=32,

@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ElementTree
 import pytest
 from pydantic import ValidationError
 
-from ftc.tasks import AVG6
+from ftc.evaluation.tasks import AVG6
 from service.reports.compare import compare, comparison_markdown
 from service.reports.plots import render_plots
 from service.reports.rows import ResultRow, parse_metrics

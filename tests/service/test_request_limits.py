@@ -24,7 +24,7 @@ def errors_of(model: type, body: dict) -> list[tuple[tuple, str]]:
 def test_the_alias_shape_is_the_models_own_config() -> None:
     from transformers import AutoConfig
 
-    from ftc.models import resolve_model
+    from ftc.models.registry import resolve_model
 
     source = resolve_model("smollm2-135m")
     config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)

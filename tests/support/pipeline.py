@@ -1,4 +1,4 @@
-"""Tiny models through the library's two entry points: `ftc.compress.compress` (what users run)
+"""Tiny models through the library's two entry points: `ftc.compression.compress.compress` (what users run)
 and the layer pipeline on a model held whole in memory (the reference an artifact must match).
 
 The library has one path from options to an artifact, `compress()`; tests that need the
@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ftc.arch import AttentionLayout, layout_of
-from ftc.artifact import load_artifact
-from ftc.compress import CompressOptions, calibration_batch, compress
-from ftc.methods import Method, make_method
-from ftc.models import ModelSource
-from ftc.pipeline import PipelineResult, compress_layers, layer_inputs, planned, survey_layers
-from ftc.sensitivity import search_budgets
+from ftc.compression.compress import CompressOptions, calibration_batch, compress
+from ftc.compression.methods import Method, make_method
+from ftc.compression.pipeline import PipelineResult, compress_layers, layer_inputs, planned, survey_layers
+from ftc.compression.sensitivity import search_budgets
+from ftc.models.arch import AttentionLayout, layout_of
+from ftc.models.registry import ModelSource
+from ftc.runtime.artifact import load_artifact
 
 
 def compress_model(

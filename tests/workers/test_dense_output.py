@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ftc.artifact import load_artifact
+from ftc.runtime.artifact import load_artifact
 from service.artifacts import list_artifacts
 from service.store import LocalStore
 from tests.support.workers import worker_job_request

@@ -21,9 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ftc.artifact import load_artifact
-from ftc.data import load_text, tokenize
-from ftc.evaluate import perplexity
+from ftc.evaluation.data import load_text, tokenize
+from ftc.evaluation.evaluate import perplexity
+from ftc.runtime.artifact import load_artifact
 from service.store.layout import job_prefix
 from tests.support.workers import Stack, WorkerProcess, download, worker_job_request
 

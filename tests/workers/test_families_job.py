@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftc.artifact import load_artifact
+from ftc.runtime.artifact import load_artifact
 from tests.support.workers import worker_job_request
 from tests.workers.test_job import job_folder, run_job
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ftc.data import load_text, tokenize
-from ftc.evaluate import perplexity
-from ftc.loading import load_model
-from ftc.models import resolve_model
+from ftc.evaluation.data import load_text, tokenize
+from ftc.evaluation.evaluate import perplexity
+from ftc.models.registry import resolve_model
+from ftc.runtime.loading import load_model
 from service.ids import new_id
 from service.runtime import Services
 from service.schemas import TERMINAL_STATUSES, JobRecord, JobRequest

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ftc.sensitivity import UnitCurve
+from ftc.compression.sensitivity import UnitCurve
 from service.keys import Keys
 from service.plans import SharedPlans
 from service.redis_client import connect_sync

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ftc.artifact import load_artifact
-from ftc.data import load_text, tokenize
-from ftc.evaluate import perplexity
+from ftc.evaluation.data import load_text, tokenize
+from ftc.evaluation.evaluate import perplexity
+from ftc.runtime.artifact import load_artifact
 from tests.support.workers import Stack
 from tests.workers.test_e2e import compressed_layers, fetch, follow, statuses, submit
 

@@ -19,10 +19,10 @@ import pytest
 import redis
 import torch
 
-from ftc.data import load_text, tokenize
-from ftc.evaluate import perplexity
-from ftc.loading import load_model
-from ftc.models import resolve_model
+from ftc.evaluation.data import load_text, tokenize
+from ftc.evaluation.evaluate import perplexity
+from ftc.models.registry import resolve_model
+from ftc.runtime.loading import load_model
 from service.store.layout import METRICS, job_prefix
 from service.sweeps.files import sweep_prefix
 from tests.support.servers import ServerProcess

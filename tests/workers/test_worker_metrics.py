@@ -103,7 +103,7 @@ def test_a_model_the_worker_cannot_open_fails_as_invalid_input(worker_settings, 
 
 
 def test_failure_reasons_are_a_bounded_set() -> None:
-    from ftc.hub import ModelError
+    from ftc.models.hub import ModelError
 
     assert failure_reason(ModelError("x")) == "invalid_input"
     assert failure_reason(MemoryError()) == "out_of_memory"

@@ -16,7 +16,7 @@ import datasets
 from lm_eval.tasks.hellaswag.utils import preprocess
 from lm_eval.tasks.mathqa.utils import doc_to_choice
 
-from ftc.tasks import task_file
+from ftc.evaluation.tasks import task_file
 
 __all__ = ["doc_to_choice", "load_arc", "load_boolq", "load_hellaswag", "load_rows"]
 

@@ -19,13 +19,19 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .arch import AttentionLayout, layer_types, layout_of
-from .artifact import LayerStore, assemble, extra_names, layer_entry, layer_tensors
-from .data import bos_prefix, calibration_ids, calibration_text, ids_sha256, load_text, tokenize
-from .methods import Method, make_method
-from .models import load_tokenizer, pick_device, resolve_model
-from .options import (
+from ftc import __version__
+from ftc.evaluation.data import bos_prefix, calibration_ids, calibration_text, ids_sha256, load_text, tokenize
+from ftc.models.arch import AttentionLayout, layer_types, layout_of
+from ftc.models.registry import load_tokenizer, pick_device, resolve_model
+from ftc.models.weights import (
+    ModuleSource,
+    materialize_embedding_rows,
+    open_weights,
+    release,
+    skeleton,
+    text_part,
+)
+from ftc.options import (
     ALLOCATIONS,
     BATCH_SIZE,
     DTYPES,
@@ -38,16 +44,11 @@ from .options import (
     scope_problem,
     validate_ratio,
 )
+from ftc.runtime.artifact import LayerStore, assemble, extra_names, layer_entry, layer_tensors
+
+from .methods import Method, make_method
 from .pipeline import compress_layers, layer_inputs, planned, survey_layers
 from .sensitivity import PlanStore, cache_folder, search_budgets, streamed_budgets, whole_model
-from .weights import (
-    ModuleSource,
-    materialize_embedding_rows,
-    open_weights,
-    release,
-    skeleton,
-    text_part,
-)
 
 
 @dataclass
@@ -119,7 +120,7 @@ def calibration_batch(tokenizer, options: CompressOptions, hidden: int) -> torch
 
 def open_model(options: CompressOptions, loaded: tuple | None = None):
     """`(weights, tokenizer, source)` without loading any weight into memory; a multimodal model's
-    weights are its text decoder's (`ftc.weights.TextPartSource`)."""
+    weights are its text decoder's (`ftc.models.weights.TextPartSource`)."""
     if loaded is not None:
         model, tokenizer, source = loaded
         return text_part(ModuleSource(model)), tokenizer, source
@@ -194,7 +195,7 @@ def plan_budgets(method: Method, weights, layout: AttentionLayout, calib: torch.
                  resident: torch.nn.Module | None = None, plan_store: PlanStore | None = None) -> Method:
     """The statistics pass of a model-wide budget (§13) and the layer list of `--allocation
     sensitivity` (§15), one original layer resident at a time (the list kept in `plan_store` or the
-    cache folder, `ftc.sensitivity.cache_folder`); `asvd`'s rank search (§11) needs the whole model
+    cache folder, `ftc.compression.sensitivity.cache_folder`); `asvd`'s rank search (§11) needs the whole model
     instead (`resident`, when it is in memory already), its list kept in the cache folder.
 
     Deterministic for the same model and calibration, so a resumed run plans the same budgets.

@@ -4,7 +4,7 @@ A layer is a list of *groups*. Each group covers one or more projections and is 
 `tucker` (`U1`, `U2`, and a dense `core` or `core_values` + bit-packed `core_mask`), `cp` (`A`,
 `B`, `C`: the rank-R CP variant) or `lowrank` (`A`, `B`). The compressing process builds its
 modules from these stored tensors through `build_modules`, with the same classes
-(`ftc/hf/modeling_ftc.py`) that the loader and the checkpoint's own remote code use, in the
+(`ftc/runtime/hf/modeling_ftc.py`) that the loader and the checkpoint's own remote code use, in the
 stored form, so an artifact loaded with `runtime="memory"` computes exactly what the compressor
 measured (the default `speed` form, the same within float rounding).
 """
@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .cp import CPFactors
+from ftc.numerics.cp import CPFactors
+from ftc.numerics.tucker import TuckerFactors
+
 from .hf.modeling_ftc import FactorGroup, GroupProjection, held_values, make_group, projections
-from .tucker import TuckerFactors
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .options import MODEL_ALIASES, InputError
+from ftc.options import MODEL_ALIASES, InputError
 
 ModelKind = Literal["alias", "hub", "path"]
 
@@ -68,7 +68,7 @@ def model_kind(spec: str) -> ModelKind:
     """Whether `spec` names a built-in alias, a hub id or (anything else) a local path.
 
     Decided from the string alone. A relative path written like a hub id (`org/name`) is reported
-    as a hub id; where the file system is at hand, `ftc.models.resolve_model` prefers an existing
+    as a hub id; where the file system is at hand, `ftc.models.registry.resolve_model` prefers an existing
     local path of that name.
     """
     if spec in MODEL_ALIASES:

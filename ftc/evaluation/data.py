@@ -1,6 +1,6 @@
 """Text sources for calibration and evaluation, and their tokenisation.
 
-WikiText-2 ships with the package (see `ftc/data/README.md`), so the default job runs offline.
+WikiText-2 ships with the package (see `ftc/evaluation/data/README.md`), so the default job runs offline.
 PTB and other files are read from `FTC_DATA_DIR` (default: a `shared/data` folder beside the
 checkout when present). Any `.txt` or `.jsonl` (`text` field) path works too.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .options import DATASETS, InputError, dataset_split_problem
+from ftc.options import DATASETS, InputError, dataset_split_problem
 
 PACKAGE_DATA = Path(__file__).parent / "data"
 SPLITS = ("test", "validation")
@@ -28,7 +28,7 @@ def data_dir() -> Path | None:
     """Where optional datasets live: `$FTC_DATA_DIR`, else `../shared/data` next to the checkout."""
     if env := os.environ.get("FTC_DATA_DIR"):
         return Path(env)
-    for base in (Path(__file__).resolve().parents[1], Path.cwd()):
+    for base in (Path(__file__).resolve().parents[2], Path.cwd()):
         candidate = base.parent / "shared" / "data"
         if candidate.is_dir():
             return candidate

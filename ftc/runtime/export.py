@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ftc.options import InputError
+
 from .artifact import CODE, CONFIG, DTYPE_CODES, MANIFEST, WEIGHTS, atomic_dir, base_config, ftc_block
 from .hf.modeling_ftc import FactorGroup, group_name, modules_of
-from .options import InputError
 from .stored import build_group
 
 DEFAULT_SHARD_BYTES = 5 * 10**9

@@ -1,6 +1,6 @@
 """Resolve a `--model` argument and load it: an alias, a local Hugging Face folder, a `.gguf`
 file, a compressed artifact written by this library, or a hub id (`org/name[@revision]`, made
-local by `ftc.hub.snapshot`)."""
+local by `ftc.models.hub.snapshot`)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ import logging
 
 import torch
 
+from ftc.models.registry import ModelSource, load_tokenizer
+
 from .artifact import load_artifact
-from .models import ModelSource, load_tokenizer
 
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -43,13 +43,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from .allocation import Curve, choose
-from .arch import AttentionLayout, decoder_layers, get_module, projection_weights, set_module
-from .artifact import atomic_write_bytes
-from .data import ids_sha256
-from .lowrank import scaled_svd
-from .metric import WORK_DTYPE
-from .options import (
+from ftc.evaluation.data import ids_sha256
+from ftc.models.arch import AttentionLayout, decoder_layers, get_module, projection_weights, set_module
+from ftc.models.weights import WeightSource, materialize, release, skeleton
+from ftc.numerics.allocation import Curve, choose
+from ftc.numerics.lowrank import scaled_svd
+from ftc.numerics.metric import WORK_DTYPE
+from ftc.options import (
     ASVD_RATIO_CANDIDATES,
     ASVD_SENSITIVITY_SEQUENCES,
     ASVD_UNLISTED_RATIO,
@@ -58,8 +58,9 @@ from .options import (
     InputError,
     method_ratio_problem,
 )
+from ftc.runtime.artifact import atomic_write_bytes
+
 from .pipeline import compress_layer, layer_inputs
-from .weights import WeightSource, materialize, release, skeleton
 
 if TYPE_CHECKING:
     from .methods import Method
@@ -370,7 +371,7 @@ def layer_sensitivities(method: Method, model: nn.Module, layout: AttentionLayou
 def layer_plan(entries: list[Sensitivity], layout: AttentionLayout, layers: int, rho: float) -> list[dict]:
     """Per-layer `{"qkv", "o"}` budgets from the layer list (§15): one candidate ratio per layer,
     least total divergence within `rho` times the attention of the whole model
-    (`ftc.allocation.choose`; divergences of separate layers are added, as for small effects they
+    (`ftc.numerics.allocation.choose`; divergences of separate layers are added, as for small effects they
     do). A layer's ratio applies to its Q/K/V tensor and its `W_O` alike, the split `uniform` makes."""
     loss = {(e.layer, e.ratio): e.loss for e in entries}
     ratios = sorted({e.ratio for e in entries})
@@ -490,7 +491,7 @@ class UnitCurve:
 
 
 UNITS = {"attention": ("qkv", "o"), "mlp": ("gateup", "down")}
-"""The units a layer is planned in and the budgeted parts each holds (`ftc.arch` `part_params`)."""
+"""The units a layer is planned in and the budgeted parts each holds (`ftc.models.arch` `part_params`)."""
 
 
 class _Surveying:
@@ -511,14 +512,14 @@ class _Surveying:
         return self
 
     def _tensor_curve(self, tensor: torch.Tensor, gram: torch.Tensor, size: int, weights) -> list[float]:
-        from .allocation import tucker_curve
-        from .metric import Whitening
+        from ftc.numerics.allocation import tucker_curve
+        from ftc.numerics.metric import Whitening
 
         return tucker_curve(tensor, Whitening.from_gram(gram), [int(r * size) for r in self.ratios],
                             weights=weights)
 
     def _matrix_curve(self, w: torch.Tensor, gram: torch.Tensor) -> list[float]:
-        from .metric import Whitening
+        from ftc.numerics.metric import Whitening
 
         spectrum = torch.linalg.svdvals(Whitening.from_gram(gram).apply(w.to(WORK_DTYPE))).pow(2)
         rows, cols = w.shape
@@ -615,8 +616,9 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
     unit compressed, the later layers streamed in for the measurement. The layer is then restored
     and the streams move on through the original layer.
     """
+    from ftc.models.weights import materialize_embedding_rows
+
     from .pipeline import compress_layer, propagate
-    from .weights import materialize_embedding_rows
 
     model = skeleton(weights.config)
     ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
@@ -683,7 +685,7 @@ def _kl(log_probs: Iterator[torch.Tensor], reference: _Spilled) -> float:
 def gains_plan(curves: list[UnitCurve], layout: AttentionLayout, layers: int, rho: float, scope: str) -> list[dict]:
     """Per-layer budgets by part from the streamed layer list (§15): one candidate ratio per unit,
     the least total predicted divergence within `rho` times the parameters the scope compresses
-    (`ftc.allocation.choose`). A unit's ratio applies to each of its parts, the split `uniform` makes."""
+    (`ftc.numerics.allocation.choose`). A unit's ratio applies to each of its parts, the split `uniform` makes."""
     params = layout.part_params(scope)
     plan: list[dict] = [{} for _ in range(layers)]
     chosen_curves = [Curve(f"{c.layer}.{c.unit}", tuple(sum(int(r * params[p]) for p in UNITS[c.unit])

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .arch import AttentionLayout, decoder_layers, get_module, layer_types, projection_weights, set_module
-from .hf.modeling_ftc import place
+from ftc.models.arch import AttentionLayout, decoder_layers, get_module, layer_types, projection_weights, set_module
+from ftc.models.weights import WeightSource, materialize, release
+from ftc.numerics.metric import WORK_DTYPE, Moments, accumulate_product
+from ftc.runtime.hf.modeling_ftc import place
+from ftc.runtime.stored import build_modules
+
 from .methods import ContextStats, Group, Method
-from .metric import WORK_DTYPE, Moments, accumulate_product
-from .stored import build_modules
-from .weights import WeightSource, materialize, release
 
 
 class _Captured(Exception):

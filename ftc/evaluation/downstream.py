@@ -1,7 +1,7 @@
 """Downstream accuracy through lm-evaluation-harness: run the `ftc_<task>` configs on a loaded
 model and reduce lm-eval's results to one row per task plus their average.
 
-Prompts, answer choices and scoring are lm-eval's (`ftc/tasks/`); nothing here scores anything.
+Prompts, answer choices and scoring are lm-eval's (`ftc/evaluation/tasks/`); nothing here scores anything.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ftc.tasks import GROUPS, PREFIX, TASK_DIR, task_file
+from ftc.evaluation.tasks import GROUPS, PREFIX, TASK_DIR, task_file
 
 SCORE_METRIC = {"gsm8k": ("exact_match", "strict-match")}
 """The headline metric and lm-eval filter of a task when it is not `acc` (lm-eval's `none` filter)."""
@@ -116,7 +116,7 @@ def evaluate_tasks(
     keeps each config's own (0, and 5 for GSM8K). Every data file is checked before any work.
     `per_document` adds each row's `documents` (`document_scores`), for `paired_difference`.
     """
-    from ftc.harness import FTCLM, offline
+    from ftc.evaluation.harness import FTCLM, offline
 
     if not tasks:
         raise ValueError("no tasks to evaluate")

@@ -8,7 +8,7 @@ The package declares `ftc` in lm-eval's plugin entry-point group `lm_eval.models
 reads from its releases after 0.4.13 on: with those, `lm_eval run --model ftc` works as installed.
 lm-eval 0.4.13 does not read it: its registry knows only the models it lists itself and those
 registered by `@register_model` in an imported module. Importing this module registers `ftc`;
-`ftc-lm-eval` (or `python -m ftc.harness`) is lm-eval's own command line with that import done
+`ftc-lm-eval` (or `python -m ftc.evaluation.harness`) is lm-eval's own command line with that import done
 first, taking exactly lm-eval's arguments:
 
     ftc-lm-eval run --model ftc --model_args pretrained=DIR \
@@ -26,9 +26,9 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from ftc.hf.modeling_ftc import RUNTIMES
-from ftc.loading import load_model
-from ftc.models import ModelError, pick_device, resolve_model
+from ftc.models.registry import ModelError, pick_device, resolve_model
+from ftc.runtime.hf.modeling_ftc import RUNTIMES
+from ftc.runtime.loading import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

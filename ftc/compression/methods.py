@@ -20,10 +20,10 @@ from typing import ClassVar, TypeVar
 
 import torch
 
-from .allocation import Curve, candidate_ratios, choose, heterogeneous_ratios, lowrank_curve, tucker_curve
-from .arch import AttentionLayout
-from .cp import EXTRAPOLATION_POWER, MAX_SWEEPS, PROXIMAL, TOLERANCE, compress_cp
-from .lowrank import (
+from ftc.models.arch import AttentionLayout
+from ftc.numerics.allocation import Curve, candidate_ratios, choose, heterogeneous_ratios, lowrank_curve, tucker_curve
+from ftc.numerics.cp import EXTRAPOLATION_POWER, MAX_SWEEPS, PROXIMAL, TOLERANCE, compress_cp
+from ftc.numerics.lowrank import (
     ASVD_ALPHA,
     anchored_rhs,
     budget_rank,
@@ -34,7 +34,7 @@ from .lowrank import (
     scaled_svd,
     truncated_svd,
 )
-from .metric import (
+from ftc.numerics.metric import (
     DEFAULT_EPS,
     GUARD_TOLERANCE,
     MAX_EPS,
@@ -44,7 +44,8 @@ from .metric import (
     Whitening,
     guarded_fit,
 )
-from .options import (
+from ftc.numerics.tucker import GRID_POINTS, PRUNE_STEPS, REFITS, compress_tensor, head_concat, head_slices
+from ftc.options import (
     ALLOCATION_METHODS,
     ALLOCATIONS,
     ASVD_RATIO_CANDIDATES,
@@ -55,8 +56,7 @@ from .options import (
     PLAN_REFERENCE_RATIO,
     SCOPES,
 )
-from .stored import cp_tensors, lowrank_tensors, tucker_tensors
-from .tucker import GRID_POINTS, PRUNE_STEPS, REFITS, compress_tensor, head_concat, head_slices
+from ftc.runtime.stored import cp_tensors, lowrank_tensors, tucker_tensors
 
 Group = tuple[dict, dict[str, torch.Tensor]]
 
@@ -194,7 +194,7 @@ class Method:
 
     @property
     def whole_model_plan(self) -> bool:
-        """Whether the plan measures the whole model's loss (ASVD's rank search, `ftc.sensitivity`)
+        """Whether the plan measures the whole model's loss (ASVD's rank search, `ftc.compression.sensitivity`)
         instead of per-layer `survey`s: it then needs every layer resident at once."""
         return False
 
@@ -303,7 +303,7 @@ class SVD(Method):
 @register("asvd")
 class ASVD(Method):
     """Activation-aware SVD (§11): input channels scaled by `mean|x|^alpha` of the original model,
-    each matrix's rank from ASVD's sensitivity-based search over the whole model (`ftc.sensitivity`)."""
+    each matrix's rank from ASVD's sensitivity-based search over the whole model (`ftc.compression.sensitivity`)."""
 
     stream = "teacher"
     needs_abs_mean = True
@@ -345,7 +345,7 @@ class SVDLLMV2(Method):
 
     The statistics pass computes each matrix's theoretical truncation loss at the uniform ratio on
     the original model's stream; `plan` spreads the ratio over the layers per matrix type
-    (`ftc.allocation.heterogeneous_ratios`); each matrix is then truncated in its exact metric.
+    (`ftc.numerics.allocation.heterogeneous_ratios`); each matrix is then truncated in its exact metric.
     """
 
     stream = "teacher"
@@ -602,7 +602,7 @@ class FTC(Method):
                 "effect": branch / max(residual, 1e-30)}
 
     def plan(self, surveys, layout):
-        """One budget for the whole attention stack, split by `ftc.allocation.choose` (§13)."""
+        """One budget for the whole attention stack, split by `ftc.numerics.allocation.choose` (§13)."""
         rows, cols = layout.heads * layout.head_dim, layout.hidden
         curves = []
         for i, s in enumerate(surveys):

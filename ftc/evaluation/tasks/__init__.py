@@ -61,7 +61,7 @@ def parse_tasks(text: str | list[str] | None) -> tuple[str, ...]:
 
 def task_file(task: str) -> Path:
     """The JSONL file `task` reads, or a `TaskDataError` naming the file and `FTC_DATA_DIR`."""
-    from ftc.data import data_dir  # torch is imported there; only callers that evaluate need it
+    from ftc.evaluation.data import data_dir  # torch is imported there; only callers that evaluate need it
 
     root = data_dir()
     path = (root / "tasks" / TASK_FILES[task]) if root else None

@@ -30,10 +30,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .arch import AttentionLayout, layout_of
+from ftc.models.arch import AttentionLayout, layout_of
+from ftc.options import InputError
+
 from .hf import modeling_ftc
 from .hf.modeling_ftc import FORMAT_VERSION, RUNTIMES, family, group_name
-from .options import InputError
 from .stored import runtime_values, stored_values, tensor_shapes
 
 MANIFEST = "manifest.json"

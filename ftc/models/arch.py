@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .options import InputError
+from ftc.options import InputError
 
 LLAMA_STYLE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -63,7 +63,7 @@ TEXT_PARTS: dict[str, TextPart] = {
         ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."),
     )),
 }
-"""Multimodal wrappers whose text decoder is compressed on its own: `ftc.weights.open_weights`
+"""Multimodal wrappers whose text decoder is compressed on its own: `ftc.models.weights.open_weights`
 presents it as a checkpoint of `model_type`, so nothing downstream sees the wrapper."""
 
 
@@ -171,7 +171,7 @@ def layout_of(config) -> AttentionLayout:
     model_type = getattr(config, "model_type", None)
     if model_type in TEXT_PARTS:  # its module tree nests the decoder beside a vision tower
         raise UnsupportedModel(
-            f"{model_type!r} is a multimodal wrapper; read it through ftc.weights.open_weights, which presents "
+            f"{model_type!r} is a multimodal wrapper; read it through ftc.models.weights.open_weights, which presents "
             f"its text decoder as a {TEXT_PARTS[model_type].model_type!r} checkpoint"
         )
     if model_type not in FAMILIES:

@@ -4,7 +4,7 @@ The pipeline never holds a whole model: it builds the module tree on the meta de
 materialises one decoder layer from the source onto the compute device, compresses it, writes
 it out and releases it. Sources: safetensors (one file or an index with shards, memory-mapped),
 GGUF (memory-mapped, dequantised per tensor), or a model already in memory. A multimodal checkpoint
-(`ftc.arch.TEXT_PARTS`) is opened as its text decoder alone, a checkpoint of the text family.
+(`ftc.models.arch.TEXT_PARTS`) is opened as its text decoder alone, a checkpoint of the text family.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ftc.options import InputError
+
 from .arch import TEXT_PARTS, TextPart
-from .models import ModelSource
-from .options import InputError
+from .registry import ModelSource
 
 
 class WeightSource(Protocol):

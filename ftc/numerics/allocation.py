@@ -7,7 +7,7 @@ Q/K/V tensor, its `W_O`, or one matrix for a per-matrix method) offers candidate
 predicted error each; the allocator picks one candidate per unit, minimising the weighted sum of
 errors with the total stored values at most the budget.
 
-Pure math, no model objects: the curves come from a statistics pass (`ftc.pipeline.survey_layers`).
+Pure math, no model objects: the curves come from a statistics pass (`ftc.compression.pipeline.survey_layers`).
 """
 
 from __future__ import annotations
