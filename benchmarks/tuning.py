@@ -61,9 +61,12 @@ BASE_ALLOCATION = "uniform"
 WHOLE_MODEL_DESIGNS: dict[str, dict] = {
     "mlp_structure": {"default": {}, "shared U2 too (Tucker as Q/K/V)": {"ablate": ("mlp_mode2",)},
                       "per matrix": {"ablate": ("mlp_per_matrix",)}},
+    "plan_whole_units": {"default": {"allocation": "sensitivity"},
+                         "no unit kept whole": {"allocation": "sensitivity", "constant": ("PLAN_WHOLE_UNITS", False)}},
 }
-"""Design switches of the whole-model scope (§17), measured at `WHOLE_MODEL_RATIO` with `scope="model"`."""
-WHOLE_MODEL_RATIO = 0.6
+"""Design switches of the whole-model scope (§17, §15), measured with `scope="model"` at the group's
+`WHOLE_MODEL_RATIOS`; `constant` sets a module constant for the cell, as `CONSTANTS` do."""
+WHOLE_MODEL_RATIOS = {"mlp_structure": (0.6,), "plan_whole_units": (0.8, 0.6)}
 
 
 @contextlib.contextmanager
@@ -116,7 +119,8 @@ def cells(only: list[str] | None, ratios: list[float]) -> Iterator[tuple[str, st
         if only and name not in only:
             continue
         for label, fields in alternatives.items():
-            yield name, label, WHOLE_MODEL_RATIO, {"scope": "model", **fields}
+            for ratio in WHOLE_MODEL_RATIOS[name]:
+                yield name, label, ratio, {"scope": "model", **fields}
 
 
 def key(group: str, label: str, ratio: float, defaults: dict) -> str:
@@ -212,11 +216,10 @@ def main() -> None:
         name = key(group, label, ratio, results["defaults"])
         if name in results["cells"] or (args.values and label not in args.values):
             continue
-        if isinstance(how, tuple):
-            with constant(*how):
-                cell = measure(loaded, tune_ids, CompressOptions(**{**base.__dict__, "ratio": ratio}))
-        else:
-            cell = measure(loaded, tune_ids, CompressOptions(**{**base.__dict__, "ratio": ratio, **how}))
+        fields = {} if isinstance(how, tuple) else dict(how)
+        switch = how if isinstance(how, tuple) else fields.pop("constant", None)
+        with constant(*switch) if switch else contextlib.nullcontext():
+            cell = measure(loaded, tune_ids, CompressOptions(**{**base.__dict__, "ratio": ratio, **fields}))
         shared = name.startswith("default@")
         results["cells"][name] = {"group": "default" if shared else group, "label": "default" if shared else label,
                                   "ratio": ratio, **cell}

@@ -118,12 +118,18 @@ ASVD_RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0
 share of the matrix's values its two factors keep. The smallest is a floor for `asvd`'s `rho`."""
 
 LAYER_RATIO_CANDIDATES: tuple[float, ...] = (0.1, 0.15, 0.2, 0.3, 0.4, 0.55, 0.7, 0.9)
+"""Keep ratios at which `--allocation sensitivity` measures each layer's attention compressed alone
+(ftc-method.md §15), denser where the curves bend; the smallest is a floor for that allocation's `rho`."""
 PLAN_REFERENCE_RATIO = 0.3
 """The candidate at which `--allocation sensitivity` measures each unit's divergence (ftc-method.md
 §15) **[choice]**: the middle of the candidates on a log scale, where the predicted error and the
 divergence are both well above rounding; the rest of each curve is the predicted error, scaled."""
-"""Keep ratios at which `--allocation sensitivity` measures each layer's attention compressed alone
-(ftc-method.md §15), denser where the curves bend; the smallest is a floor for that allocation's `rho`."""
+PLAN_WHOLE_UNITS = True
+"""Whether `--allocation sensitivity` may keep a unit (a layer's attention, or its MLP) uncompressed,
+its dense weights costing its whole size and causing no divergence (ftc-method.md §15) **[choice]**.
+Two factors of a matrix at keep 0.9 already drop a third of its rank, so near a whole-model keep of
+0.8 a unit is better left whole and its values spent where factors lose little. Chosen on the tuning
+split (benchmarks/results/tuning.md, `plan_whole_units`)."""
 
 ASVD_UNLISTED_RATIO = 1.0
 """Ratio of a matrix none of whose candidates is under the threshold (ASVD leaves it dense). The

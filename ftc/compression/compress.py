@@ -48,7 +48,7 @@ from ftc.runtime.artifact import LayerStore, assemble, extra_names, layer_entry,
 
 from .methods import Method, make_method
 from .pipeline import compress_layers, layer_inputs, planned, survey_layers
-from .sensitivity import PlanStore, cache_folder, search_budgets, streamed_budgets, whole_model
+from .sensitivity import UNITS, PlanStore, cache_folder, search_budgets, streamed_budgets, whole_model
 
 
 @dataclass
@@ -322,11 +322,14 @@ def storage_summary(layout: AttentionLayout, entries: list[dict], method: Method
     bytes of the artifact's weights against those of the source checkpoint."""
     layers = len(entries)
     used = dict.fromkeys(PARTS, 0)
+    sizes = layout.part_params("model")
     for entry in entries:
         for group in entry["groups"]:
             used[part_of(group["proj"])] += group["values"]
+        for part in (p for unit in entry.get("whole", ()) for p in UNITS[unit]):  # kept dense by the plan (§15)
+            used[part] += sizes[part]
     budget = {part: sum(entry["budget_values"].get(part, 0) for entry in entries) for part in PARTS}
-    original = {part: layers * size for part, size in layout.part_params("model").items()}
+    original = {part: layers * size for part, size in sizes.items()}
     compressed = set(layout.part_params(method.scope))
     linear_dense = sum(original.values())
     linear_kept = sum(used[p] if p in compressed else original[p] for p in PARTS)

@@ -126,7 +126,7 @@ class Method:
     `sensitivity`: layer budgets from the divergence each layer causes compressed alone (§15)."""
     budgets: tuple[dict, ...] | None = None
     """Per-layer stored-value budgets by part ("qkv", "o", "gateup", "down", or per matrix "q", "k",
-    "v", "gate", "up"), from `plan`."""
+    "v", "gate", "up"), from `plan`; `"whole"` lists the units a layer keeps uncompressed (`whole`)."""
     layer_budget: dict | None = None
     """The entry of `budgets` for the layer being compressed (set by `at_layer`)."""
     scope: str = "attention"
@@ -223,6 +223,21 @@ class Method:
         if self.layer_budget is not None and part in self.layer_budget:
             return int(self.layer_budget[part])
         return int(self.keep_ratio * full)
+
+    def matrix_budgets(self, layout: AttentionLayout) -> Method:
+        """This method with a plan's joint `gateup` budget (§15 plans the MLP as one unit) spread over
+        gate and up by size, for a method that compresses them one matrix at a time (`per_matrix_mlp`):
+        each matrix then spends the part's planned ratio, not `keep_ratio`."""
+        budget = self.layer_budget
+        if budget is None or "gateup" not in budget or any(p in budget for p in layout.mlp_in):
+            return self
+        share = int(budget["gateup"]) // len(layout.mlp_in)
+        return dataclasses.replace(self, layer_budget={**budget, **dict.fromkeys(layout.mlp_in, share)})
+
+    def whole(self, unit: str) -> bool:
+        """Whether this layer's plan keeps `unit` ("attention" or "mlp") uncompressed (§15): its
+        dense weights stay as they are and its budget is its whole size."""
+        return self.layer_budget is not None and unit in self.layer_budget.get("whole", ())
 
     def budget_values(self, layout: AttentionLayout) -> dict[str, int]:
         """Stored values this layer may spend on each part (§1, §17), as the plan gave them: the

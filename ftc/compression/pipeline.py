@@ -232,12 +232,18 @@ def propagate(
 
 
 @torch.no_grad()
-def mlp_inputs(layer: nn.Module, layout: AttentionLayout, stream: Stream, contexts: list) -> list[torch.Tensor]:
+def mlp_inputs(layer: nn.Module, layout: AttentionLayout, stream: Stream, contexts: list | None
+               ) -> list[torch.Tensor]:
     """The input of the layer's MLP on every batch of the stream (§17), the attention replayed from
-    `contexts` (as installed in `layer`: the compressed attention for the student stream)."""
+    `contexts` (as installed in `layer`: the compressed attention for the student stream), or run
+    when there are none."""
     first = layout.all_projections[layout.mlp_in[0]]
     inputs = []
-    for (h, kw), context in zip(stream.batches(), contexts, strict=True):
+    for i, (h, kw) in enumerate(stream.batches()):
+        if contexts is None:  # an attention kept whole (§15): it runs as it is
+            inputs.append(stream.keep(capture_input(layer, first, h, kw)))
+            continue
+        context = contexts[i]
         x = torch.empty(h.shape, dtype=h.dtype, device=h.device)
         for piece, captured in _replayed(layer, layout, h, context, stream.device,
                                          lambda part, kw=kw: capture_input(layer, first, part, kw)):
@@ -337,7 +343,8 @@ def compress_layer(
     """Compress one decoder layer in place and advance the stream through it (§3, §8).
 
     `load_rest` materialises what only propagation needs (the MLP, see `after_attention`), so
-    those weights are not resident during the Q/K/V and W_O math.
+    those weights are not resident during the Q/K/V and W_O math. A unit the plan keeps whole
+    (`Method.whole`, §15) keeps its original projections; the report lists it under `whole`.
 
     The report carries seconds per phase (statistics passes, Q/K/V math, W_O math, propagation),
     so a slow run shows whether the data passes or the factorisations cost the time. `trim`
@@ -346,6 +353,42 @@ def compress_layer(
     a 1024-wide layer's peak, measured), at a few percent of the run time.
     """
     phases = _PhaseClock()
+    if method.scope == "model" and method.per_matrix_mlp:
+        method = method.matrix_budgets(layout)
+    device = get_module(layer, layout.q).weight.device
+    whole = [unit for unit in ("attention", "mlp") if method.whole(unit)]
+    groups, report, replacements, contexts = [], {}, {}, None
+    if "attention" not in whole:
+        groups, report, replacements, contexts = _compress_attention(layer, layout, method, stream, compute_dtype,
+                                                                     trim, phases)
+    if load_rest is not None:
+        load_rest()
+    if method.scope == "model" and "mlp" not in whole:
+        if method.stream == "student":  # the MLP's statistics come from the compressed attention (§17)
+            place(layer, layout.projections, {p: m.to(device) for p, m in replacements.items()})
+        mlp_groups, mlp_report, mlp_replacements = compress_mlp(layer, layout, method, stream, contexts,
+                                                                compute_dtype)
+        groups += mlp_groups
+        report["mlp"] = mlp_report
+        replacements.update(mlp_replacements)
+        phases.lap("mlp")
+    if stream is not None and method.stream == "teacher":
+        propagate(layer, stream, layout, contexts)
+    place(layer, layout.all_projections, {p: m.to(device) for p, m in replacements.items()})
+    if stream is not None and method.stream == "student":
+        propagate(layer, stream, layout, contexts)
+    phases.lap("propagate")
+    report["budget_values"] = method.budget_values(layout)
+    if whole:
+        report["whole"] = whole
+    return groups, {**report, "phase_seconds": phases.seconds()}
+
+
+def _compress_attention(layer: nn.Module, layout: AttentionLayout, method: Method, stream: Stream | None,
+                        compute_dtype: torch.dtype, trim: bool, phases: _PhaseClock
+                        ) -> tuple[list[Group], dict, dict, list | None]:
+    """Q/K/V and `W_O` of one layer (§3-§8): their groups, report and replacement modules, and the
+    attention contexts of the stream's batches when the statistics pass kept them for propagation."""
     weights, biases = _weights(layer, layout)
     x = None
     if method.needs_data:
@@ -380,26 +423,7 @@ def compress_layer(
     if trim:
         trim_host_memory()
     phases.lap("o")
-    if load_rest is not None:
-        load_rest()
-    mlp_groups, mlp_report = [], {}
-    if method.scope == "model":
-        if method.stream == "student":  # the MLP's statistics come from the compressed attention (§17)
-            place(layer, layout.projections, {p: m.to(device) for p, m in replacements.items()})
-        mlp_groups, mlp_report, mlp_replacements = compress_mlp(layer, layout, method, stream, contexts,
-                                                                compute_dtype)
-        replacements.update(mlp_replacements)
-        phases.lap("mlp")
-    if stream is not None and method.stream == "teacher":
-        propagate(layer, stream, layout, contexts)
-    place(layer, layout.all_projections, {p: m.to(device) for p, m in replacements.items()})
-    if stream is not None and method.stream == "student":
-        propagate(layer, stream, layout, contexts)
-    phases.lap("propagate")
-    report = {**qkv_report, **o_report, "budget_values": method.budget_values(layout)}
-    if mlp_report:
-        report["mlp"] = mlp_report
-    return [*qkv_groups, o_group, *mlp_groups], {**report, "phase_seconds": phases.seconds()}
+    return [*qkv_groups, o_group], {**qkv_report, **o_report}, replacements, contexts
 
 
 @torch.no_grad()

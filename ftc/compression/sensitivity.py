@@ -55,6 +55,7 @@ from ftc.options import (
     ASVD_UNLISTED_RATIO,
     LAYER_RATIO_CANDIDATES,
     PLAN_REFERENCE_RATIO,
+    PLAN_WHOLE_UNITS,
     InputError,
     method_ratio_problem,
 )
@@ -685,18 +686,24 @@ def _kl(log_probs: Iterator[torch.Tensor], reference: _Spilled) -> float:
 def gains_plan(curves: list[UnitCurve], layout: AttentionLayout, layers: int, rho: float, scope: str) -> list[dict]:
     """Per-layer budgets by part from the streamed layer list (§15): one candidate ratio per unit,
     the least total predicted divergence within `rho` times the parameters the scope compresses
-    (`ftc.numerics.allocation.choose`). A unit's ratio applies to each of its parts, the split `uniform` makes."""
+    (`ftc.numerics.allocation.choose`). A unit's ratio applies to each of its parts, the split `uniform`
+    makes. With `PLAN_WHOLE_UNITS` a unit may also stay whole: its parts' full size, no divergence;
+    such units are listed under the layer's `"whole"`."""
     params = layout.part_params(scope)
     plan: list[dict] = [{} for _ in range(layers)]
+    whole = (1.0,) if PLAN_WHOLE_UNITS else ()
     chosen_curves = [Curve(f"{c.layer}.{c.unit}", tuple(sum(int(r * params[p]) for p in UNITS[c.unit])
-                                                         for r in c.ratios), c.predicted()) for c in curves]
+                                                         for r in (*c.ratios, *whole)),
+                           (*c.predicted(), *(0.0 for _ in whole))) for c in curves]
     try:
         chosen = choose(chosen_curves, int(rho * layers * sum(params.values())))
     except ValueError as error:
         raise InputError(f"{error}; raise --ratio to at least {min(curves[0].ratios)}") from None
     for curve, position in zip(curves, chosen, strict=True):
-        ratio = curve.ratios[position]
+        ratio = (*curve.ratios, *whole)[position]
         plan[curve.layer].update({p: int(ratio * params[p]) for p in UNITS[curve.unit]})
+        if position == len(curve.ratios):
+            plan[curve.layer].setdefault("whole", []).append(curve.unit)
     return plan
 
 

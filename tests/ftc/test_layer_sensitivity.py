@@ -148,6 +148,11 @@ def test_each_streamed_divergence_is_that_of_the_unit_alone_compressed(layout_na
         assert curve.reference_error == curve.errors[curve.ratios.index(PLAN_REFERENCE_RATIO)]
 
 
+def _values(budgets: dict) -> int:
+    """Stored values a layer's budgets grant, the list of whole units aside."""
+    return sum(v for part, v in budgets.items() if part != "whole")
+
+
 def test_the_streamed_plan_chooses_along_the_scaled_curves_within_the_budget():
     """`gains_plan` on a worked example: each unit's curve is its predicted error scaled to its measured
     divergence; the plan is the allocator's choice on those curves within rho of what the scope
@@ -161,12 +166,30 @@ def test_the_streamed_plan_chooses_along_the_scaled_curves_within_the_budget():
     total = sum(params.values())
     for rho in (0.2, 0.3, 0.45):
         plan = gains_plan(curves, layout, 2, rho, "model")
-        assert sum(sum(b.values()) for b in plan) <= rho * 2 * total
+        assert sum(_values(b) for b in plan) <= rho * 2 * total
         assert plan[0]["gateup"] / params["gateup"] >= plan[1]["gateup"] / params["gateup"]
         for layer in plan:  # a unit's ratio applies to each of its parts
             assert layer["qkv"] / params["qkv"] == pytest.approx(layer["o"] / params["o"], abs=1e-3)
     with pytest.raises(InputError, match=r"--ratio to at least 0\.1"):
         gains_plan(curves, layout, 2, 0.05, "model")
+
+
+def test_the_streamed_plan_keeps_a_unit_whole_where_its_values_buy_the_most(monkeypatch):
+    """With `PLAN_WHOLE_UNITS` a unit may stay whole (its full size, no divergence): at keep 0.8 a unit
+    a hundred times more sensitive than the rest is kept whole, listed under its layer's `"whole"`,
+    with its parts' full sizes; the plan stays within the budget. Without it no unit is whole."""
+    layout = layout_of(_confident("gqa").config)
+    params = layout.part_params("model")
+    ratios = LAYER_RATIO_CANDIDATES
+    errors = tuple((1 - r) ** 2 for r in ratios)
+    gain = {(0, "attention"): 1.0, (0, "mlp"): 100.0, (1, "attention"): 1.0, (1, "mlp"): 1.0}
+    curves = [UnitCurve(layer, unit, ratios, errors, g * errors[1], errors[1]) for (layer, unit), g in gain.items()]
+    plan = gains_plan(curves, layout, 2, 0.8, "model")
+    assert plan[0]["whole"] == ["mlp"] and "whole" not in plan[1]
+    assert (plan[0]["gateup"], plan[0]["down"]) == (params["gateup"], params["down"])
+    assert sum(_values(b) for b in plan) <= 0.8 * 2 * sum(params.values())
+    monkeypatch.setattr(sensitivity, "PLAN_WHOLE_UNITS", False)
+    assert not any("whole" in layer for layer in gains_plan(curves, layout, 2, 0.8, "model"))
 
 
 @pytest.mark.parametrize("method", ["ftc", "cp"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ftc.compression.compress import CompressOptions, compress
+from ftc.compression.compress import CompressOptions, compress, part_of
 from ftc.compression.methods import ANCHOR, SINK_WEIGHT, ContextStats, make_method
 from ftc.models.arch import decoder_layers, get_module, layout_of, set_module
 from ftc.numerics.metric import Moments
@@ -205,7 +205,7 @@ def test_every_family_compresses_its_mlp_reloads_and_exports(layout_name, tiny_f
 
     folder = tiny_folder(layout_name)
     options = CompressOptions(model=str(folder), device="cpu", ratio=0.5, calib_samples=4, seq_len=32,
-                              dtype="float32", scope="model")
+                              dtype="float32", scope="model", allocation="uniform")  # no unit kept whole
     manifest = compress(options, tmp_path / "a", progress=False)
     layout = layout_of(AutoModelForCausalLM.from_pretrained(folder).config)
     covered = {p for entry in manifest["layers"] for g in entry["groups"] for p in g["proj"]}
@@ -240,3 +240,92 @@ def test_the_layer_stream_is_not_the_original_one_after_a_compressed_mlp(tmp_pat
     assert _close(grams[1], _gram(x, first_weight=SINK_WEIGHT))
     attention_only = _student(model, layout, layers, 0, attention_of=0)
     assert not _close(grams[1], _gram(_inputs(attention_only, layout, 1, layout.q), first_weight=SINK_WEIGHT))
+
+
+def _whole_plan(layout, ratio: float = 0.5) -> list[dict]:
+    """Three layers' budgets: layer 0's attention kept whole, layer 1's MLP, layer 2 compressed alike."""
+    params = layout.part_params("model")
+    cut = {part: int(ratio * size) for part, size in params.items()}
+    return [{**cut, "qkv": params["qkv"], "o": params["o"], "whole": ["attention"]},
+            {**cut, "gateup": params["gateup"], "down": params["down"], "whole": ["mlp"]}, cut]
+
+
+def test_units_the_plan_keeps_whole_stay_original_and_feed_the_stream():
+    """§15: a unit the plan keeps whole keeps its projections; layer 0's MLP is fitted on what the
+    original attention hands it, and layer 2 on the stream of the model compressed so far (layer 1's
+    attention compressed, its MLP whole)."""
+    layers = 3
+    model = tiny_model("gqa", layers=layers)
+    layout = layout_of(model.config)
+    original = tiny_model("gqa", layers=layers)
+    planned = make_method("ftc", 0.5, torch.float32, scope="model")
+    planned = type(planned)(0.5, torch.float32, scope="model", budgets=tuple(_whole_plan(layout)))
+
+    class Planned(Recorder):
+        def at_layer(self, index: int):
+            self.method = planned.at_layer(index)
+            return self
+
+    method = Planned(planned)
+    result = compress_model(model, layout, method, CALIB, device=torch.device("cpu"), batch_size=4)
+    held = [{p for spec, _ in layer.groups for p in spec["proj"]} for layer in result.layers]
+    assert held == [set(layout.mlp_projections), set(layout.projections), set(layout.all_projections)]
+    assert [layer.report.get("whole") for layer in result.layers] == [["attention"], ["mlp"], None]
+    for index, keys in ((0, layout.projections), (1, layout.mlp_projections)):
+        for name in keys.values():
+            kept, source = (get_module(decoder_layers(m, layout)[index], name) for m in (model, original))
+            assert type(kept) is torch.nn.Linear and torch.equal(kept.weight, source.weight), (index, name)
+    assert len(method.mlp_grams) == 2  # layers 0 and 2
+    assert _close(method.mlp_grams[0], _gram(_inputs(original, layout, 0, layout.gate), first_weight=SINK_WEIGHT))
+    x = _inputs(_student(model, layout, layers, 2, attention_of=2), layout, 2, layout.gate)
+    assert _close(method.mlp_grams[1], _gram(x, first_weight=SINK_WEIGHT))
+
+
+def test_an_artifact_with_whole_units_stores_them_dense_counts_them_and_reloads(tiny_folder, tmp_path):
+    """The dense weights of whole units are the artifact's own (no groups), counted in the values each
+    part keeps; the reload computes the logits of the pipeline's model and exports to stock weights."""
+    from transformers import AutoModelForCausalLM
+
+    from ftc.runtime.export import export_dense
+
+    folder = tiny_folder("gqa", layers=3)
+    layout = layout_of(tiny_model("gqa", layers=3).config)
+    plan = _whole_plan(layout)
+    options = CompressOptions(model=str(folder), device="cpu", ratio=0.5, calib_samples=4, seq_len=32,
+                              dtype="float32", scope="model")
+    manifest = compress(options, tmp_path / "a", progress=False, budgets=plan)
+    assert [e.get("whole") for e in manifest["layers"]] == [["attention"], ["mlp"], None]
+    parts = manifest["storage"]["parts"]
+    params = layout.part_params("model")
+    for part, size in params.items():  # one layer keeps each part whole
+        groups = sum(g["values"] for e in manifest["layers"] for g in e["groups"] if part_of(g["proj"]) == part)
+        assert parts[part]["values_used"] == groups + size <= parts[part]["budget_values"], part
+    reloaded, _, _ = load_artifact(tmp_path / "a")
+    assert type(get_module(decoder_layers(reloaded, layout)[0], layout.q)) is torch.nn.Linear
+    source = AutoModelForCausalLM.from_pretrained(folder)
+    for name in layout.mlp_projections.values():
+        kept, original = (get_module(decoder_layers(m, layout)[1], name).weight for m in (reloaded, source))
+        assert torch.equal(kept, original)
+    export_dense(tmp_path / "a", tmp_path / "d", "float32")
+    dense_model = AutoModelForCausalLM.from_pretrained(tmp_path / "d")
+    probe = PROBE % dense_model.config.vocab_size
+    with torch.no_grad():
+        a, b = reloaded(probe).logits, dense_model(probe).logits
+    assert ((a - b).norm() / a.norm()) < 1e-4
+
+
+def test_a_per_matrix_mlp_spends_the_planned_gate_up_budget(tiny_folder, tmp_path):
+    """`mlp_per_matrix` under a plan (§15 plans gate/up as one part): gate and up each get half of the
+    layer's planned `gateup` values, not `keep_ratio`'s share, and the manifest's budget is that."""
+    folder = tiny_folder("gqa", layers=3)
+    layout = layout_of(tiny_model("gqa", layers=3).config)
+    params = layout.part_params("model")
+    plan = [{part: int(r * size) for part, size in params.items()} for r in (0.2, 0.5, 0.8)]
+    options = CompressOptions(model=str(folder), device="cpu", ratio=0.5, calib_samples=4, seq_len=32,
+                              dtype="float32", scope="model", ablate=("mlp_per_matrix",))
+    manifest = compress(options, tmp_path / "a", progress=False, budgets=plan)
+    for entry, budget in zip(manifest["layers"], plan, strict=True):
+        gate_up = [g for g in entry["groups"] if part_of(g["proj"]) == "gateup"]
+        assert len(gate_up) == 2 and all(g["values"] <= budget["gateup"] // 2 for g in gate_up)
+        assert sum(g["values"] for g in gate_up) > 0.7 * budget["gateup"]
+        assert entry["budget_values"]["gateup"] == budget["gateup"] // 2 * 2
