@@ -353,8 +353,8 @@ def compress_layer(
     a 1024-wide layer's peak, measured), at a few percent of the run time.
     """
     phases = _PhaseClock()
-    if method.scope == "model" and method.per_matrix_mlp:
-        method = method.matrix_budgets(layout)
+    if method.scope == "model" and method.per_matrix_mlp and "gateup" in (method.layer_budget or {}):
+        method = method.matrix_budgets(layout)  # only then: a wrapping planner (`_Surveying`) stays itself
     device = get_module(layer, layout.q).weight.device
     whole = [unit for unit in ("attention", "mlp") if method.whole(unit)]
     groups, report, replacements, contexts = [], {}, {}, None
