@@ -13,12 +13,12 @@ of the machine, "all"):
   excluded);
 - peak RSS: the high-water resident memory (`VmHWM`) of a fresh process that imports torch and
   transformers, loads the model and generates 128 tokens at batch 1; the interpreter's own
-  (after the imports, before loading) is recorded beside it.
+  (after the imports, the model family's classes included, before loading) is recorded beside it.
 
 Variants: the dense model; FTC with attention-only compression at rho 0.8/0.6/0.4/0.2; FTC with
 whole-model compression (`--scope model`) at keep ratios 0.8/0.6/0.4 (20/40/60% of the seven
 linear projections removed).
-Artifacts load through `load_artifact` (the classes the transformers remote code runs) in their
+Artifacts load through `load_compressed` (the classes the transformers remote code runs) in their
 default `speed` runtime; the dense model is the same weights saved as a float16 safetensors
 folder, loaded with `AutoModelForCausalLM.from_pretrained`, so both read the same file format.
 
@@ -104,11 +104,12 @@ class Variant:
     ratio: float = 1.0
     folder: str | None = None
     unavailable: str | None = None
+    unmapped: bool = False  # dense only: its weights read with `pread` as FTC's loader reads them
 
     @property
     def label(self) -> str:
         if self.scope == "dense":
-            return "dense"
+            return "dense, weights read unmapped" if self.unmapped else "dense"
         if self.scope == "attention":
             return f"attention rho {self.ratio}"
         return f"whole model keep {self.ratio} (-{round(100 * (1 - self.ratio))}%)"
@@ -125,6 +126,14 @@ def compress_to(folder: Path, model: str, ratio: float, scope: str, calib_sample
     print(f"  compressing {model} ({scope}, {ratio}) -> {folder}", flush=True)
     compress(options, folder, overwrite=True, progress=False)
     return folder
+
+
+def dense_variants(folder: Path) -> list[Variant]:
+    """The dense model loaded as transformers loads it (the reference of every ratio), and the same
+    weights read without mapping the file, as FTC's loader reads an artifact: the like-for-like
+    control of the peak RSS (and a second dense process in each speed block, a measure of noise)."""
+    return [Variant("dense", "dense", folder=str(folder)),
+            Variant("dense-unmapped", "dense", folder=str(folder), unmapped=True)]
 
 
 def ftc_variants(make: Callable[[float, str], Path], ratios: tuple[float, ...],
@@ -172,7 +181,7 @@ def smollm2(artifacts: Path, ratios, keeps) -> tuple[list[Variant], dict]:
     def make(ratio: float, scope: str) -> Path:
         return compress_to(artifacts / f"smollm2-{scope}-{ratio}", "smollm2-135m", ratio, scope, 8, 512)
 
-    variants = [Variant("dense", "dense", folder=str(dense)), *ftc_variants(make, ratios, keeps)]
+    variants = [*dense_variants(dense), *ftc_variants(make, ratios, keeps)]
     return variants, {"title": "SmolLM2-135M-Instruct", "vocab": 49152,
                       "setup": "SmolLM2-135M-Instruct (its Q4_1 GGUF dequantised, saved as float16 safetensors); "
                                "FTC artifacts compressed from it with 8 x 512 WikiText-2 calibration tokens"}
@@ -192,7 +201,7 @@ def replicate(one_layer: Path, dense: Path, out: Path, layers: int) -> Path:
     the groups of `one_layer`'s (only) layer, the same in every layer.
 
     The folder is what `ftc compress` writes (config with the `ftc` block, weights, manifest, the
-    modeling file), so it loads through `load_artifact` like any artifact.
+    modeling file), so it loads through `load_compressed` like any artifact.
     """
     import torch
     from safetensors import safe_open
@@ -257,7 +266,7 @@ def llama_shape(artifacts: Path, ratios, keeps, shape: dict, tag: str, title: st
         one = compress_to(artifacts / f"{tag}-1layer-{scope}-{ratio}", str(source), ratio, scope, *calib)
         return replicate(one, dense, artifacts / f"{tag}-{layers}-{scope}-{ratio}", layers)
 
-    variants = [Variant("dense", "dense", folder=str(dense)), *ftc_variants(make, ratios, keeps)]
+    variants = [*dense_variants(dense), *ftc_variants(make, ratios, keeps)]
     return variants, {"title": title, "vocab": vocab,
                       "setup": f"random weights of the shape {shape}; FTC: one random layer of that shape "
                                f"compressed with {calib[0]} x {calib[1]} calibration tokens, its groups in every layer"}
@@ -332,23 +341,35 @@ class _Clock:
 def worker(job: dict) -> dict:
     """One fresh process's measurement: `speed` (prefill and decode) or `rss` (load and generate)."""
     import torch
-    import transformers  # noqa: F401  (imported before the interpreter's own RSS is read)
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    import ftc.runtime.artifact  # noqa: F401
+    from ftc.runtime.artifact import ftc_block
+    from ftc.runtime.hf.modeling_ftc import family
 
+    # the model's classes imported before the interpreter's own RSS is read (transformers imports a
+    # family's modules on first use: 140 MiB for Llama's), so "above the imports" is what loading adds
+    if job["scope"] == "dense":
+        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(job["folder"]))]
+    else:
+        family(ftc_block(Path(job["folder"]))["base_model_type"])
     rss_imports = _proc_status("VmRSS")
     threads = job["threads"]
     torch.set_num_threads(threads)
     dtype = getattr(torch, job["dtype"])
     t0 = time.perf_counter()
-    if job["scope"] == "dense":
-        from transformers import AutoModelForCausalLM
+    if job["scope"] == "dense" and job.get("unmapped"):
+        from ftc.runtime.hf.modeling_ftc import unmapped_state, unmapped_weights
 
+        config = AutoConfig.from_pretrained(job["folder"])
+        with unmapped_weights((job["folder"],), {}) as weights:
+            model = AutoModelForCausalLM._model_mapping[type(config)].from_pretrained(
+                None, config=config, dtype=dtype, state_dict=unmapped_state(weights)).eval()
+    elif job["scope"] == "dense":
         model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=dtype).eval()
     else:
-        from ftc.runtime.artifact import load_artifact
+        from ftc.runtime.artifact import load_compressed
 
-        model = load_artifact(Path(job["folder"]), dtype, runtime=job["runtime"])[0]
+        model = load_compressed(Path(job["folder"]), dtype, runtime=job["runtime"])  # no tokenizer, as dense
     load_seconds = time.perf_counter() - t0
     rss_loaded = _proc_status("VmRSS")
     generator = torch.Generator().manual_seed(0)
@@ -427,7 +448,8 @@ def measure_block(variants: list[Variant], base_job: dict, kind: str, repeats: i
     for repeat in range(repeats):
         shift = repeat % len(live)
         for variant in live[shift:] + live[:shift]:
-            job = {**base_job, "kind": kind, "scope": variant.scope, "folder": variant.folder}
+            job = {**base_job, "kind": kind, "scope": variant.scope, "folder": variant.folder,
+                   "unmapped": variant.unmapped}
             started = time.perf_counter()
             sample = run_worker(job, timeout)
             progress["done"] += 1
@@ -599,6 +621,10 @@ def verdicts(entry: dict) -> list[str]:
             r = _ratio(block["model-0.6"]["median"]["peak_rss"], block["dense"]["median"]["peak_rss"])
             lines.append(f"- {key}: whole model -40% peak RSS {_x(r)} dense (target <= {TARGETS['model_0.6_rss']}x): "
                          f"{'met' if r is not None and r <= TARGETS['model_0.6_rss'] else 'MISSED'}")
+            if "dense-unmapped" in block:  # the same against a dense model whose file is read as FTC's is
+                r = _ratio(block["model-0.6"]["median"]["peak_rss"], block["dense-unmapped"]["median"]["peak_rss"])
+                lines.append(f"- {key}: like for like, whole model -40% peak RSS {_x(r)} the dense model read "
+                             "unmapped (not the target's reference; shown for how much is the loader)")
     for runtime in ("speed", "memory"):
         worst = max((v["held"]["attention"][f"{runtime}_x_stored"] or 0 for n, v in variants.items() if n in ftc),
                     default=None)

@@ -311,27 +311,37 @@ def base_config(path: Path):
     return CONFIG_MAPPING[block["base_model_type"]].from_dict(data)
 
 
+def load_compressed(path: Path, compute_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    runtime: str = "speed"):
+    """The model of an artifact folder alone, in eval mode: `load_artifact` without the tokenizer
+    and manifest, for a process that serves tokens it is given (and is sized by its memory).
+
+    The model is the checkpoint's own compressed class (the one `trust_remote_code` loads),
+    taken from this package rather than from the copy in the folder; its weights are read
+    without mapping the file (`modeling_ftc.unmapped_weights`).
+    """
+    if runtime not in RUNTIMES:
+        raise InputError(f"runtime must be one of {', '.join(RUNTIMES)}; got {runtime!r}")
+    path = Path(path)
+    _, model_cls = family(ftc_block(path)["base_model_type"])
+    return model_cls.from_pretrained(path, dtype=compute_dtype, ftc_runtime=runtime).to(device).eval()
+
+
 def load_artifact(path: Path, compute_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                   runtime: str = "speed"):
     """`(model, tokenizer, manifest)` rebuilt from an artifact folder, with no base model needed.
 
-    The model is the checkpoint's own compressed class (the one `trust_remote_code` loads),
-    taken from this package rather than from the copy in the folder. `runtime` picks the form
-    every group runs in (ftc-method.md §9): `speed` (the default) the cheapest per token for its
-    shapes, `memory` the stored tensors as they are (the smallest resident size, and the only
-    form a loaded model can be saved from). `model.ftc_forms()` lists what each group runs as.
+    `runtime` picks the form every group runs in (ftc-method.md §9): `speed` (the default) the
+    cheapest per token for its shapes, `memory` the stored tensors as they are (the smallest
+    resident size, and the only form a loaded model can be saved from). `model.ftc_forms()` lists
+    what each group runs as.
     """
     from transformers import AutoTokenizer
 
-    if runtime not in RUNTIMES:
-        raise InputError(f"runtime must be one of {', '.join(RUNTIMES)}; got {runtime!r}")
+    model = load_compressed(path, compute_dtype, device, runtime)
     path = Path(path)
-    block = ftc_block(path)
-    manifest = read_manifest(path)
-    _, model_cls = family(block["base_model_type"])
-    model = model_cls.from_pretrained(path, dtype=compute_dtype, ftc_runtime=runtime)
     # the base config tells AutoTokenizer the tokenizer's family, so it never reads the folder's
     # `auto_map` (which would ask, on stdout, whether to run the folder's code)
     tokenizer = (AutoTokenizer.from_pretrained(path, config=base_config(path))
                  if (path / "tokenizer_config.json").exists() else None)
-    return model.to(device).eval(), tokenizer, manifest
+    return model, tokenizer, read_manifest(path)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from ftc.runtime.artifact import load_artifact
+from ftc.runtime.hf import modeling_ftc
 from ftc.runtime.hf.modeling_ftc import FactorGroup, TuckerGroup, choose_form, form_costs
 from tests.support.tiny import LAYOUTS
 
@@ -158,3 +159,49 @@ def test_remote_code_load_does_not_import_ftc(tiny_artifact, tmp_path):
     assert done.returncode == 0, done.stderr
     module, imported = done.stdout.strip().splitlines()[-2:]
     assert module.startswith("transformers_modules.") and imported == "[]"
+
+
+def _mapped(path) -> bool:
+    """Whether `path` is memory-mapped into this process now."""
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().endswith(str(path)) for line in maps)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_a_local_artifact_is_read_without_mapping_its_file(tiny_artifact):
+    folder = tiny_artifact("gqa")
+    weights_file = folder / modeling_ftc.WEIGHTS_FILE
+    with modeling_ftc.unmapped_weights((folder,), {"subfolder": ""}) as weights:
+        state = modeling_ftc.unmapped_state(weights)
+        read = {name: piece[:] for name, piece in state.items()}
+        assert not _mapped(weights_file)
+    with safe_open(weights_file, "pt") as stock:  # the control: transformers' own reader maps the file
+        assert _mapped(weights_file)
+        expected = {name: stock.get_tensor(name).clone() for name in stock.keys()}
+    assert read.keys() == expected.keys() and all(torch.equal(read[n], expected[n]) for n in expected)
+    # what only transformers' own reading handles goes there
+    for args, kwargs in [(("someone/some-model",), {}), ((folder,), {"subfolder": "inner"}),
+                         ((folder,), {"gguf_file": "x.gguf"}), ((folder, "extra"), {}), ((folder.parent,), {})]:
+        assert modeling_ftc.unmapped_weights(args, kwargs) is None, (args, kwargs)
+
+
+def test_loading_an_artifact_reads_its_weights_unmapped(tiny_artifact, monkeypatch):
+    folder = tiny_artifact("gqa")
+    opened = []
+
+    def spy(args, kwargs):
+        weights = unmapped_weights(args, kwargs)
+        opened.append(weights)
+        return weights
+
+    unmapped_weights = modeling_ftc.unmapped_weights
+    monkeypatch.setattr(modeling_ftc, "unmapped_weights", spy)
+    model, _, _ = load_artifact(folder, runtime="memory")
+    assert len(opened) == 1 and opened[0] is not None
+    with pytest.raises(Exception, match="closed"):  # read through and closed, not left aside
+        opened[0].keys()
+    assert model.name_or_path == model.config.name_or_path == str(folder)
+    monkeypatch.undo()
+    stock = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, ftc_runtime="memory",
+                                                 device_map="cpu")  # `device_map`: transformers reads it
+    assert torch.equal(_logits(model), _logits(stock))

@@ -584,6 +584,44 @@ CODE_FILE = "modeling_ftc"
 _CLASSES: dict[str, type] = {}
 
 
+WEIGHTS_FILE = "model.safetensors"
+STOCK_LOADING = frozenset(("state_dict", "gguf_file", "subfolder", "device_map", "quantization_config", "tp_plan"))
+"""`from_pretrained` arguments whose loading only transformers' own reading of the folder handles."""
+
+
+def unmapped_weights(args: tuple, kwargs: dict):
+    """The checkpoint of a local artifact folder opened for reading with `pread`, or None where
+    transformers must read it itself (a hub id, a sharded or non-safetensors checkpoint, arguments
+    in `STOCK_LOADING`, transformers before 5 or a safetensors without the `pread` backend).
+
+    Why: transformers maps the file, and every page it touches stays resident until loading ends,
+    on top of the weights in the compute dtype; a float16 file under float32 weights raises the
+    load's peak by half the weights' size, the peak a serving process is sized for. Read with
+    `pread`, each tensor's bytes pass through one buffer that is freed once the tensor is in place.
+    """
+    import os
+
+    import transformers
+
+    stock = any(kwargs.get(name) for name in STOCK_LOADING)  # `subfolder=""` (the auto classes') is none
+    if len(args) != 1 or stock or int(transformers.__version__.split(".")[0]) < 5:
+        return None
+    path = os.path.join(os.fspath(args[0]), WEIGHTS_FILE)
+    if not os.path.isfile(path):
+        return None
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu", backend="pread")
+    except TypeError:  # a safetensors before the `backend` argument
+        return None
+
+
+def unmapped_state(weights) -> dict:
+    """The state dict of an open `unmapped_weights` file: a lazy slice per tensor, read when placed."""
+    return {name: weights.get_slice(name) for name in weights.keys()}
+
+
 def family_names(base_type: str) -> tuple[str, str]:
     """Class names for a base `model_type`: `FtcLlamaConfig`, `FtcLlamaForCausalLM`, ...
 
@@ -617,10 +655,20 @@ def _build_family(base_type: str) -> None:
 
     def from_pretrained(cls, *args, ftc_runtime: str | None = None, **kwargs):
         """The base class's loading, then every group moved to the form of `ftc_runtime` ("speed",
-        the default, or "memory"; else the config's `ftc_runtime` attribute, if set)."""
+        the default, or "memory"; else the config's `ftc_runtime` attribute, if set).
+
+        A local folder's weights are read without mapping the file (`unmapped_weights`)."""
         if ftc_runtime is not None:
             check_runtime(ftc_runtime)  # before the weights are read
-        model = super(model_cls, cls).from_pretrained(*args, **kwargs)
+        load = super(model_cls, cls).from_pretrained
+        weights = unmapped_weights(args, kwargs)
+        if weights is None:
+            model = load(*args, **kwargs)
+        else:
+            config = kwargs.pop("config", None) or cls.config_class.from_pretrained(args[0])
+            with weights as handle:
+                model = load(None, config=config, state_dict=unmapped_state(handle), **kwargs)
+            model.name_or_path = model.config.name_or_path = str(args[0])
         prepare_groups(model, ftc_runtime or getattr(model.config, "ftc_runtime", None) or "speed")
         return model
 
