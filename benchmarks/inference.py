@@ -349,7 +349,8 @@ def worker(job: dict) -> dict:
     # the model's classes imported before the interpreter's own RSS is read (transformers imports a
     # family's modules on first use: 140 MiB for Llama's), so "above the imports" is what loading adds
     if job["scope"] == "dense":
-        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(job["folder"]))]
+        config = AutoConfig.from_pretrained(job["folder"])
+        dense_cls = AutoModelForCausalLM._model_mapping[type(config)]
     else:
         family(ftc_block(Path(job["folder"]))["base_model_type"])
     rss_imports = _proc_status("VmRSS")
@@ -358,12 +359,10 @@ def worker(job: dict) -> dict:
     dtype = getattr(torch, job["dtype"])
     t0 = time.perf_counter()
     if job["scope"] == "dense" and job.get("unmapped"):
-        from ftc.runtime.hf.modeling_ftc import unmapped_state, unmapped_weights
+        from ftc.runtime.hf.modeling_ftc import load_unmapped, unmapped_weights
 
-        config = AutoConfig.from_pretrained(job["folder"])
-        with unmapped_weights((job["folder"],), {}) as weights:
-            model = AutoModelForCausalLM._model_mapping[type(config)].from_pretrained(
-                None, config=config, dtype=dtype, state_dict=unmapped_state(weights)).eval()
+        weights = unmapped_weights((job["folder"],), {})
+        model = load_unmapped(dense_cls.from_pretrained, weights, config, dtype=dtype).eval()
     elif job["scope"] == "dense":
         model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=dtype).eval()
     else:

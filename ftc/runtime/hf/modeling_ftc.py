@@ -617,9 +617,12 @@ def unmapped_weights(args: tuple, kwargs: dict):
         return None
 
 
-def unmapped_state(weights) -> dict:
-    """The state dict of an open `unmapped_weights` file: a lazy slice per tensor, read when placed."""
-    return {name: weights.get_slice(name) for name in weights.keys()}
+def load_unmapped(load, weights, config, **kwargs):
+    """`load(None, config=config, state_dict=..., **kwargs)` (a `from_pretrained`) over the tensors of
+    an `unmapped_weights` file, each a lazy slice read when placed; the file is closed after."""
+    with weights:
+        return load(None, config=config, state_dict={name: weights.get_slice(name) for name in weights.keys()},
+                    **kwargs)
 
 
 def family_names(base_type: str) -> tuple[str, str]:
@@ -666,8 +669,7 @@ def _build_family(base_type: str) -> None:
             model = load(*args, **kwargs)
         else:
             config = kwargs.pop("config", None) or cls.config_class.from_pretrained(args[0])
-            with weights as handle:
-                model = load(None, config=config, state_dict=unmapped_state(handle), **kwargs)
+            model = load_unmapped(load, weights, config, **kwargs)
             model.name_or_path = model.config.name_or_path = str(args[0])
         prepare_groups(model, ftc_runtime or getattr(model.config, "ftc_runtime", None) or "speed")
         return model
