@@ -15,6 +15,8 @@ of the default 4 sequences: the activation transients are those of a full run; o
 itself (tokens x hidden x 4 bytes) grows with more samples.
 `--steps` samples one layer's compression in process and charges each sample to the step then
 running (memory_steps.json). Writes benchmarks/results/memory.{json,md}.
+`--allocation` is passed on (default: the CLI's, `sensitivity` for FTC); each run gets an empty plan
+cache of its own, so a `sensitivity` run measures its layer list (§15) inside the peak it reports.
 Targets: peak RSS per shape in `SHAPES`, flat in depth.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -32,6 +35,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from ftc.compression.sensitivity import CACHE_ENV
+from ftc.options import ALLOCATIONS, default_allocation
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {
@@ -92,10 +98,10 @@ def build_checkpoint(folder: Path, layers: int, hidden: int, intermediate: int, 
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
-def peak_rss(command: list[str]) -> tuple[int, float, str]:
+def peak_rss(command: list[str], env: dict[str, str] | None = None) -> tuple[int, float, str]:
     """Run `command` under /usr/bin/time -v; return (peak RSS bytes, seconds, stderr tail)."""
     t0 = time.perf_counter()
-    done = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True)
+    done = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - t0
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
@@ -108,19 +114,21 @@ def render(rows: list[dict], settings: dict) -> str:
              f"Synthetic Llama-layout checkpoints, float16 safetensors shards, random weights: {settings}.",
              "Peak RSS of the `ftc compress` process, read by `/usr/bin/time -v` from outside "
              "(seconds are wall time on a machine shared with other jobs).", "",
-             "| shape | layers | checkpoint (GB) | peak RSS (GB) | RSS / checkpoint | target | seconds |",
-             "|---|---|---|---|---|---|---|"]
+             "| shape | layers | allocation | checkpoint (GB) | peak RSS (GB) | RSS / checkpoint | target | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         target = SHAPES[r["shape"]]["target_bytes"]
-        lines.append(f"| {r['shape']} | {r['layers']} | {r['checkpoint_bytes'] / 1e9:.2f} | "
+        lines.append(f"| {r['shape']} | {r['layers']} | {r.get('allocation', 'uniform')} | "
+                     f"{r['checkpoint_bytes'] / 1e9:.2f} | "
                      f"{r['peak_rss_bytes'] / 1e9:.2f} | {r['peak_rss_bytes'] / r['checkpoint_bytes']:.1%} | "
                      f"{'met' if r['peak_rss_bytes'] <= target else 'MISSED'} (<= {target / 1e9:.1f} GB) | "
                      f"{r['seconds']:.0f} |")
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        runs = [r for r in rows if r["shape"] == shape]
+    for shape, allocation in dict.fromkeys((r["shape"], r.get("allocation", "uniform")) for r in rows):
+        runs = [r for r in rows if r["shape"] == shape and r.get("allocation", "uniform") == allocation]
         if len(runs) >= 2:
             first, last = runs[0], runs[-1]
-            lines += ["", f"{shape}: from {first['layers']} to {last['layers']} layers the checkpoint grows "
+            lines += ["", f"{shape}, {allocation}: from {first['layers']} to {last['layers']} layers the checkpoint "
+                      "grows "
                       f"{last['checkpoint_bytes'] / first['checkpoint_bytes']:.2f}x and the peak "
                       f"{last['peak_rss_bytes'] / first['peak_rss_bytes']:.2f}x."]
     lines += ["", "The peak is set by one layer's work plus a fixed runtime (Python, torch, transformers), "
@@ -205,10 +213,13 @@ def main() -> None:
     parser.add_argument("--method", default="ftc")
     parser.add_argument("--calib-samples", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--allocation", choices=ALLOCATIONS, default=None,
+                        help="passed to `ftc compress` (default: the method's default allocation)")
     parser.add_argument("--workdir", type=Path, default=None, help="where checkpoints are built (default: /tmp)")
     parser.add_argument("--out", type=Path, default=RESULTS / "memory.json")
     parser.add_argument("--append", action="store_true",
-                        help="keep the rows of --out for other (shape, layers) cases: shapes run one at a time")
+                        help="keep the rows of --out for other (shape, layers, allocation) cases: shapes run one "
+                             "at a time")
     parser.add_argument("--steps", choices=SHAPES, default=None,
                         help="instead: peak RSS per step of one layer of SHAPE, sampled in process")
     parser.add_argument("--build", nargs=2, metavar=("FOLDER", "SHAPE"), help=argparse.SUPPRESS)
@@ -228,10 +239,12 @@ def main() -> None:
     settings = {"method": args.method, "ratio": 0.4, "calibration": f"{args.calib_samples} x {args.seq_len}",
                 "shapes": {name: {k: v for k, v in shape.items() if k != "target_bytes"}
                            for name, shape in SHAPES.items()}}
+    allocation = args.allocation or default_allocation(args.method)
     rows = []
     if args.append and args.out.is_file():
-        cases = {(name, d) for name, depths in args.cases for d in depths}
-        rows = [r for r in json.loads(args.out.read_text())["rows"] if (r["shape"], r["layers"]) not in cases]
+        cases = {(name, d, allocation) for name, depths in args.cases for d in depths}
+        rows = [r for r in json.loads(args.out.read_text())["rows"]
+                if (r["shape"], r["layers"], r.get("allocation", "uniform")) not in cases]
     root = Path(tempfile.mkdtemp(dir=args.workdir))
     try:
         for name, layers in ((name, d) for name, depths in args.cases for d in depths):
@@ -241,10 +254,10 @@ def main() -> None:
                                           shape["kv_heads"])
             command = [sys.executable, "-m", "cli", "compress", "--model", str(folder), "--method", args.method,
                        "--ratio", "0.4", "--calib-samples", str(args.calib_samples), "--seq-len", str(args.seq_len),
-                       "--device", "cpu", "--quiet", "--out", str(root / f"out-{layers}")]
-            rss, seconds, _ = peak_rss(command)
-            rows.append({"shape": name, "layers": layers, "checkpoint_bytes": checkpoint, "peak_rss_bytes": rss,
-                         "seconds": seconds, "ratio": rss / checkpoint})
+                       "--device", "cpu", "--quiet", "--allocation", allocation, "--out", str(root / f"out-{layers}")]
+            rss, seconds, _ = peak_rss(command, {**os.environ, CACHE_ENV: str(root / f"plans-{layers}")})
+            rows.append({"shape": name, "layers": layers, "allocation": allocation, "checkpoint_bytes": checkpoint,
+                         "peak_rss_bytes": rss, "seconds": seconds, "ratio": rss / checkpoint})
             print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(folder)
             shutil.rmtree(root / f"out-{layers}")

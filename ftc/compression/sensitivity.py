@@ -550,13 +550,14 @@ class _Surveying:
 
 @torch.no_grad()
 def _through(model: nn.Module, layout: AttentionLayout, weights: WeightSource, probe, hidden: list[torch.Tensor],
-             start: int, device: torch.device, compute_dtype: torch.dtype, resident: bool = True) -> list[torch.Tensor]:
-    """`hidden` (the probe's input of layer `start`, one tensor per batch) through layers `start..L-1`:
-    layer `start` as it is now when `resident`, every other one materialised from `weights` for the
-    moment it runs."""
+             start: int, device: torch.device, compute_dtype: torch.dtype, resident: bool = True,
+             stop: int | None = None) -> list[torch.Tensor]:
+    """`hidden` (the probe's input of layer `start`, one tensor per batch) through layers `start..stop-1`
+    (to the last one by default): layer `start` as it is now when `resident`, every other one
+    materialised from `weights` for the moment it runs."""
     layers = decoder_layers(model, layout)
     hidden = list(hidden)
-    for index in range(start, len(layers)):
+    for index in range(start, len(layers) if stop is None else stop):
         name = f"{layout.layers_path}.{index}"
         streamed = index != start or not resident
         if streamed:
@@ -581,25 +582,34 @@ def _log_probs(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, fin
 class _Spilled:
     """The original model's log-probabilities, one sequence at a time, kept in a file rather than in
     memory: a sequence of a 49k vocabulary is 100 MB in float32 (float16 would err by 1e-5 per token,
-    the size of the smallest divergences), and only one is read back at a time."""
+    the size of the smallest divergences), and only one is read back at a time.
+
+    Each sequence is read straight into one buffer reused for every sequence and every reading (the
+    list reads the file once per unit, 12 GB on SmolLM2): a fresh 100 MB array per sequence cost a
+    second copy and its page faults, 14% of the list's time. A yielded tensor is valid until the
+    next one is read."""
 
     def __init__(self, sequences: Iterator[torch.Tensor]) -> None:
         import tempfile
 
         self.file = tempfile.TemporaryFile()
         self.shapes: list[tuple[int, ...]] = []
+        self._buffer: torch.Tensor | None = None
         for sequence in sequences:
             array = sequence.detach().to("cpu", torch.float32).contiguous().numpy()
             self.file.write(array.tobytes())
             self.shapes.append(array.shape)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        import numpy as np
-
         self.file.seek(0)
         for shape in self.shapes:
-            count = int(np.prod(shape))
-            yield torch.from_numpy(np.frombuffer(self.file.read(4 * count), dtype=np.float32).reshape(shape).copy())
+            if self._buffer is None or tuple(self._buffer.shape) != shape:
+                self._buffer = None  # freed before its successor exists
+                self._buffer = torch.empty(shape, dtype=torch.float32)
+            view = memoryview(self._buffer.numpy()).cast("B")
+            if self.file.readinto(view) != view.nbytes:
+                raise OSError("the spilled reference log-probabilities were cut short")
+            yield self._buffer
 
 
 def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, calib: torch.Tensor, *,
@@ -607,7 +617,11 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
                 ratios: tuple[float, ...] = LAYER_RATIO_CANDIDATES,
                 compute_dtype: torch.dtype = torch.float32) -> list[UnitCurve]:
     """The layer list of `--allocation sensitivity` (§15), streamed: one decoder layer resident at a
-    time (and one more while a divergence is measured), as the compression itself.
+    time, as the compression itself. A layer's MLP is loaded once its attention's math is done; each
+    unit's output of the layer is computed while the layer is resident, and the layer is released
+    before the later layers stream in for the divergences; the output head is resident only while
+    they are read. On a 7B shape, a second layer or the head beside the layer being compressed would
+    each add 0.4 GB to the peak (`benchmarks/memory.py`).
 
     One pass over the original model's stream. Layer by layer, the planning method compresses the
     layer at `PLAN_REFERENCE_RATIO` (`no_sequential`), which gives every part's predicted error
@@ -619,47 +633,76 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
     """
     from ftc.models.weights import materialize_embedding_rows
 
-    from .pipeline import compress_layer, propagate
+    from .pipeline import after_attention, compress_layer, map_large_allocations, propagate, trim_host_memory
 
+    bounded = not weights.resident  # streamed from disk: keep host memory low, as `compress_layers` does
+    if bounded:
+        map_large_allocations()
     model = skeleton(weights.config)
     ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
     materialize_embedding_rows(model, weights, calib, device)
-    for name in _head_modules(model, layout):
-        materialize(model, name, weights, device, compute_dtype)
+    head = _head_modules(model, layout)
     stream = layer_inputs(model, layout, calib, batch_size, device)
     probe = layer_inputs(model, layout, ids, batch_size, device)
     original = _through(model, layout, weights, probe, probe.hidden, 0, device, compute_dtype, resident=False)
-    reference = _Spilled(_log_probs(model, layout, ids, original, device))
+    with _materialized(model, head, weights, device, compute_dtype):
+        reference = _Spilled(_log_probs(model, layout, ids, original, device))
     del original
     planner = _Surveying(dataclasses.replace(method, keep_ratio=PLAN_REFERENCE_RATIO, allocation="uniform",
                                              budgets=None, ablations=method.ablations | {"no_sequential"}), ratios)
     layers = decoder_layers(model, layout)
     units = {unit: parts for unit, parts in UNITS.items() if unit == "attention" or method.scope == "model"}
+    names = {"attention": set(layout.projections.values()), "mlp": set(layout.mlp_projections.values())}
     curves = []
     at = ratios.index(PLAN_REFERENCE_RATIO)
     for index in tqdm(range(len(layers)), desc="layer plan", unit="layer", disable=not progress):
-        name = f"{layout.layers_path}.{index}"
-        materialize(model, name, weights, device, compute_dtype)
-        layer = layers[index]
-        names = {"attention": set(layout.projections.values()), "mlp": set(layout.mlp_projections.values())}
+        name, layer = f"{layout.layers_path}.{index}", layers[index]
+        later = after_attention(layer, layout)  # the MLP, loaded once the attention's math is done
+        materialize(model, name, weights, device, compute_dtype, include=lambda p, later=later: not later(p))
         originals = {n: get_module(layer, n) for unit in units for n in names[unit]}
         inputs = [h.clone() for h in probe.hidden]
-        compress_layer(layer, layout, planner.at_layer(index), stream.at(index), compute_dtype)
+        compress_layer(layer, layout, planner.at_layer(index), stream.at(index), compute_dtype, trim=bounded,
+                       load_rest=lambda name=name, later=later: materialize(model, name, weights, device,
+                                                                           compute_dtype, include=later))
         compressed = {n: get_module(layer, n) for n in originals}
+        outputs = {}
         try:
-            for unit, parts in units.items():
+            for unit in units:
                 for n in originals:  # this unit alone compressed
                     set_module(layer, n, compressed[n] if n in names[unit] else originals[n])
-                final = _through(model, layout, weights, probe, inputs, index, device, compute_dtype)
-                divergence = _kl(_log_probs(model, layout, ids, final, device), reference)
-                errors = tuple(sum(planner.curves[p][i] for p in parts) for i in range(len(ratios)))
-                curves.append(UnitCurve(index, unit, tuple(ratios), errors, divergence, errors[at]))
+                outputs[unit] = _through(model, layout, weights, probe, inputs, index, device, compute_dtype,
+                                         stop=index + 1)
         finally:
             for n, module in originals.items():
                 set_module(layer, n, module)
         propagate(layer, probe.at(index))
-        release(model, name)
+        del compressed, originals, layer, inputs
+        release(model, name)  # before the later layers stream in: one layer resident at a time
+        finals = {unit: _through(model, layout, weights, probe, outputs.pop(unit), index + 1, device, compute_dtype,
+                                 resident=False) for unit in units}
+        with _materialized(model, head, weights, device, compute_dtype):  # the head: only while it is read
+            for unit, parts in units.items():
+                divergence = _kl(_log_probs(model, layout, ids, finals.pop(unit), device), reference)
+                errors = tuple(sum(planner.curves[p][i] for p in parts) for i in range(len(ratios)))
+                curves.append(UnitCurve(index, unit, tuple(ratios), errors, divergence, errors[at]))
+        if bounded:
+            trim_host_memory()
     return curves
+
+
+@contextlib.contextmanager
+def _materialized(model: nn.Module, names: list[str], weights: WeightSource, device: torch.device,
+                  compute_dtype: torch.dtype) -> Iterator[None]:
+    """The modules `names` materialised from `weights` for the block, released after it: the output
+    head of a 7B-shaped model is 0.4 GB in float16, as much as a decoder layer, and the list needs it
+    only while it reads divergences, not while a layer is compressed."""
+    for name in names:
+        materialize(model, name, weights, device, compute_dtype)
+    try:
+        yield
+    finally:
+        for name in names:
+            release(model, name)
 
 
 def _head_modules(model: nn.Module, layout: AttentionLayout) -> list[str]:

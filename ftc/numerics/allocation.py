@@ -139,6 +139,7 @@ def tucker_curve(tensor: torch.Tensor, whitening: Whitening, budgets: list[int],
     balanced, _ = whiten_and_balance(tensor, whitening, balance, weights)
     total = float(balanced.pow(2).sum()) or 1.0
     _, _, core = hosvd(balanced)
+    del balanced  # spent: the allocations' energy tables are the next peak (a 7B layer's is 0.2 GB each)
     return [allocate(core, total, b, d, dh).predicted_error / total for b in budgets]
 
 

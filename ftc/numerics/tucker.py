@@ -225,13 +225,18 @@ def top_k_mask(core: torch.Tensor, kept: int) -> torch.Tensor:
     Magnitudes within `TIE_TOLERANCE` of each other are ties, resolved toward the lower index (§16):
     near-ties are common (0.00180428 against 0.00180425 on SmolLM2), and a choice among them must
     not depend on rounding that moves with the thread count.
+
+    The support a stable descending sort would give, found by selection (linear, several times
+    faster than the sort on the pruning schedule's every step): every key above the `kept`-th
+    largest, then the lowest-index entries equal to it until `kept` are chosen.
     """
     flat = core.flatten()
     if kept >= flat.numel():
         return torch.ones_like(core, dtype=torch.bool)
-    mask = torch.zeros_like(flat, dtype=torch.bool)
-    order = torch.sort(tie_key(flat.abs()), descending=True, stable=True).indices
-    mask[order[:kept]] = True
+    key = tie_key(flat.abs())
+    cut = torch.kthvalue(key, flat.numel() - kept + 1).values
+    mask = key > cut
+    mask[(key == cut).nonzero()[: kept - int(mask.sum()), 0]] = True
     return mask.view_as(core)
 
 

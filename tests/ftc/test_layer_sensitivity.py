@@ -148,6 +148,46 @@ def test_each_streamed_divergence_is_that_of_the_unit_alone_compressed(layout_na
         assert curve.reference_error == curve.errors[curve.ratios.index(PLAN_REFERENCE_RATIO)]
 
 
+def test_the_streamed_list_holds_one_layer_and_no_head_while_a_layer_is_compressed(monkeypatch):
+    """The list's memory bound (§15, `benchmarks/memory.py`): at most one decoder layer materialised at
+    any time, the layer's MLP still unloaded when its compression starts, and the output head
+    materialised only outside the compressions (on a 7B shape each of them is 0.4 GB of the peak)."""
+    from ftc.compression import pipeline
+    from ftc.models.weights import ModuleSource
+
+    model = _confident("gqa")
+    layout = layout_of(model.config)
+    resident: set[str] = set()
+    most_layers, seen = 0, []
+    materialize, release, compress_layer = sensitivity.materialize, sensitivity.release, pipeline.compress_layer
+
+    def tracked_materialize(skeleton, name, *args, **kwargs):
+        nonlocal most_layers
+        materialize(skeleton, name, *args, **kwargs)
+        resident.add(name)
+        most_layers = max(most_layers, sum(n.startswith(layout.layers_path + ".") for n in resident))
+
+    def tracked_release(skeleton, name):
+        release(skeleton, name)
+        resident.discard(name)
+
+    def tracked_compress(layer, *args, **kwargs):
+        seen.append((set(resident), get_module(layer, layout.down).weight.device.type))
+        return compress_layer(layer, *args, **kwargs)
+
+    monkeypatch.setattr(sensitivity, "materialize", tracked_materialize)
+    monkeypatch.setattr(sensitivity, "release", tracked_release)
+    monkeypatch.setattr(pipeline, "compress_layer", tracked_compress)
+    planner = make_method("ftc", 0.4, torch.float32, allocation="sensitivity", scope="model")
+    sensitivity.layer_gains(planner, ModuleSource(model), layout, _calibration(model), device=CPU, batch_size=BATCH,
+                            progress=False)
+    assert most_layers == 1
+    assert len(seen) == 3
+    for index, (names, mlp_device) in enumerate(seen):
+        assert names == {f"{layout.layers_path}.{index}"}, names  # no head, no other layer
+        assert mlp_device == "meta"  # loaded after the attention's math
+
+
 def _values(budgets: dict) -> int:
     """Stored values a layer's budgets grant, the list of whole units aside."""
     return sum(v for part, v in budgets.items() if part != "whole")

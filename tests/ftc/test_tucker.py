@@ -63,6 +63,26 @@ def test_allocators_predicted_error_equals_the_measured_truncation_error():
     assert storage_values(t.shape[1], t.shape[2], t.shape[0], alloc.r1, alloc.r2, alloc.kept) <= budget
 
 
+def test_top_k_mask_is_the_stable_sorts_support_ties_to_the_lower_index():
+    """The selection gives the support of a stable descending sort of the tie keys (§16): every
+    magnitude above the cut, then equal ones by index, whatever the size of the tie at the cut."""
+    generator = torch.Generator().manual_seed(5)
+    cores = [torch.randn(3, 20, 7, dtype=D, generator=generator),
+             torch.randint(-3, 4, (3, 20, 7), generator=generator).to(D)]  # many exact ties, signs too
+    near = cores[0].clone()
+    near[1, 2, 3] = near[0, 0, 0] * (1 + 1e-12)  # a near-tie: equal up to the tolerance
+    cores.append(near)
+    for core in cores:
+        keys = torch.round(core.abs().flatten() / (core.abs().max() * 1e-9))
+        order = torch.sort(keys, descending=True, stable=True).indices
+        for kept in (1, 2, 37, 200, core.numel() - 1, core.numel()):
+            expected = torch.zeros(core.numel(), dtype=torch.bool)
+            expected[order[:kept]] = True
+            mask = top_k_mask(core, kept)
+            assert torch.equal(mask.flatten(), expected), kept
+            assert int(mask.sum()) == kept
+
+
 def test_energy_table_matches_the_top_k_definition():
     core = hosvd(structured_tensor())[2]
     for r2 in (2, 5, 8):
