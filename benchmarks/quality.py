@@ -41,8 +41,6 @@ from ftc.models.registry import ALIASES, resolve_model
 from ftc.options import ABLATIONS, MODEL_ALIASES, SCOPES, default_allocation, scope_problem
 from ftc.runtime.artifact import load_artifact
 from ftc.runtime.loading import load_model
-from service.reports.plots import render_plots
-from service.reports.rows import ResultRow
 
 RESULTS = Path(__file__).parent / "results"
 BASELINES = ("svd_llm", "svd_llm_v2", "asvd", "svd", "per_matrix")
@@ -477,7 +475,10 @@ def _calibration_section(cells: dict, mark: dict[str, str]) -> list[str]:
 
 def plot(results: dict) -> bytes:
     """Perplexity against rho, one line per method and a panel per test set, drawn by the sweep
-    reports' plotter."""
+    reports' plotter (imported here: the timing part runs where only the library is installed)."""
+    from service.reports.plots import render_plots
+    from service.reports.rows import ResultRow
+
     model = ALIASES[results.get("model", DEFAULT_MODEL)].title
     main = [c for c in results["cells"].values() if _main_grid(c)]
     datasets = [d for d in DATASETS if d == "wikitext2" or any(d in c for c in main)]

@@ -13,15 +13,20 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from api.app import create_app
-from service.settings import Settings
-from tests.support.servers import S3_ENV, MotoServer, RedisServer, serve_in_thread, start_moto, start_redis
-from tests.support.service import API_KEYS, JOB_REQUEST, S3_BUCKET, TEAMS, Api, require_redis_server
 from tests.support.tiny import tiny_model
+
+if TYPE_CHECKING:
+    from service.settings import Settings
+    from tests.support.servers import MotoServer, RedisServer
+    from tests.support.service import Api
+
+# The service's modules (and the servers' clients) are imported by the fixtures that use them, so the
+# library's tests also run where only torch and transformers are installed (a GPU machine, for
+# tests/ftc/test_cuda.py).
 
 # Runs keep what they cache across runs (ASVD's sensitivity lists) in a folder of the test session's,
 # never the user's: set before any child process (CLI, Ray worker) starts, so they inherit it.
@@ -47,6 +52,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A private redis-server for the session (never the machine's own)."""
+    from tests.support.servers import start_redis
+    from tests.support.service import require_redis_server
+
     require_redis_server()
     server = start_redis(tmp_path_factory.mktemp("redis"))
     yield server
@@ -56,6 +64,9 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
     """moto's S3 server as a subprocess with one bucket; boto3 reaches it over HTTP."""
+    from tests.support.servers import S3_ENV, start_moto
+    from tests.support.service import S3_BUCKET
+
     saved = {name: os.environ.get(name) for name in S3_ENV}
     os.environ.update(S3_ENV)
     server = start_moto(tmp_path_factory.mktemp("moto"))
@@ -74,6 +85,8 @@ def service_settings(
     request: pytest.FixtureRequest, redis_server: RedisServer, tmp_path: Path
 ) -> Callable[..., Settings]:
     """`make(backend="local"|"s3", **overrides)`: settings isolated to this test."""
+    from service.settings import Settings
+    from tests.support.service import API_KEYS, S3_BUCKET, TEAMS
 
     def make(backend: str = "local", **overrides: Any) -> Settings:
         unique = uuid.uuid4().hex[:12]
@@ -100,6 +113,10 @@ def service_settings(
 @pytest.fixture
 def api_factory(service_settings: Callable[..., Settings]) -> Iterator[Callable[..., Api]]:
     """`start(backend="local"|"s3", **setting overrides) -> Api`; everything stops after the test."""
+    from api.app import create_app
+    from tests.support.servers import serve_in_thread
+    from tests.support.service import Api
+
     with contextlib.ExitStack() as stack:
 
         def start(backend: str = "local", **overrides: Any) -> Api:
@@ -120,6 +137,8 @@ def api(api_factory: Callable[..., Api]) -> Api:
 
 @pytest.fixture
 def job_request() -> dict[str, Any]:
+    from tests.support.service import JOB_REQUEST
+
     return {**JOB_REQUEST, "calibration": dict(JOB_REQUEST["calibration"]), "eval": dict(JOB_REQUEST["eval"])}
 
 

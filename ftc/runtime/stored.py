@@ -21,8 +21,9 @@ from .hf.modeling_ftc import FactorGroup, GroupProjection, held_values, make_gro
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Row-major bits of a boolean tensor, 8 per byte (big-endian within a byte)."""
-    return torch.from_numpy(np.packbits(mask.flatten().cpu().numpy()))
+    """Row-major bits of a boolean tensor, 8 per byte (big-endian within a byte), on the mask's
+    device: the group built from them runs there while the next layers are compressed."""
+    return torch.from_numpy(np.packbits(mask.flatten().cpu().numpy())).to(mask.device)
 
 
 def tucker_tensors(factors: TuckerFactors, dtype: torch.dtype) -> dict[str, torch.Tensor]:
