@@ -144,12 +144,13 @@ STEPS = (("ftc.compression.methods", "FTC.qkv", "Q/K/V"),
 """(module, attribute, label) of the steps whose peak `--steps` reports; everything else is "other"."""
 
 
-def step_peaks(shape: str, workdir: Path | None) -> dict:
+def step_peaks(shape: str, workdir: Path | None, allocation: str) -> dict:
     """Peak RSS (anonymous and file-backed) per step of one streamed FTC compression, in process.
 
     A thread samples /proc/self/status every 2 ms and charges each sample to the step running at
     the time (the functions of `STEPS`, wrapped for the run). One layer: every layer does the same
-    work. The checkpoint is built in a child process, so its buffers are not in this one's heap.
+    work. The checkpoint is built in a child process, so its buffers are not in this one's heap;
+    the plan cache is an empty folder, so `sensitivity` measures its layer list in the run.
     """
     import importlib
     import threading
@@ -186,9 +187,11 @@ def step_peaks(shape: str, workdir: Path | None) -> dict:
             setattr(target, name, wrapped(getattr(target, name), label))
         threading.Thread(target=sample, daemon=True).start()
         options = CompressOptions(model=str(root / "model"), method="ftc", ratio=0.4, calib_samples=8,
-                                  seq_len=512, device="cpu")
+                                  seq_len=512, device="cpu", allocation=allocation)
+        os.environ[CACHE_ENV] = str(root / "plans")
         compress(options, root / "out", progress=False)
-        return {"shape": shape, "layout": {k: v for k, v in spec.items() if k != "target_bytes"},
+        return {"shape": shape, "allocation": allocation,
+                "layout": {k: v for k, v in spec.items() if k != "target_bytes"},
                 "steps": {label: dict(zip(("rss", "anon", "file"), peaks[label], strict=True))
                           for label in ["other", *(s[2] for s in STEPS)] if label in peaks}}
     finally:
@@ -229,17 +232,18 @@ def main() -> None:
         build_checkpoint(Path(args.build[0]), 1, shape["hidden"], shape["intermediate"], shape["heads"],
                          shape["kv_heads"])
         return
+    allocation = args.allocation or default_allocation(args.method)
     if args.steps:
-        found = step_peaks(args.steps, args.workdir)
+        found = step_peaks(args.steps, args.workdir, allocation)
         print(json.dumps(found, indent=2))
         out = args.out.with_name("memory_steps.json")
-        out.write_text(json.dumps({**json.loads(out.read_text()), args.steps: found} if out.is_file()
-                                  else {args.steps: found}, indent=2))
+        key = f"{args.steps}, {allocation}"  # the older entry is keyed by the shape alone
+        out.write_text(json.dumps({**json.loads(out.read_text()), key: found} if out.is_file()
+                                  else {key: found}, indent=2))
         return
     settings = {"method": args.method, "ratio": 0.4, "calibration": f"{args.calib_samples} x {args.seq_len}",
                 "shapes": {name: {k: v for k, v in shape.items() if k != "target_bytes"}
                            for name, shape in SHAPES.items()}}
-    allocation = args.allocation or default_allocation(args.method)
     rows = []
     if args.append and args.out.is_file():
         cases = {(name, d, allocation) for name, depths in args.cases for d in depths}

@@ -16,6 +16,7 @@ from .metric import (
     damped_factors,
     guarded_fit,
     pivot_signs,
+    top_eigenpairs,
 )
 
 
@@ -33,13 +34,29 @@ def truncated_svd(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
     """Best rank-`rank` Frobenius approximation `A @ B`, singular values split evenly.
 
     The even split keeps both factors in the same numeric range, which matters once they are
-    stored in 16-bit floats. The SVD runs in float64 with canonical signs (ftc-method.md §16): in
-    float32 its vectors move by 1e-4 with the thread count on a 576-wide matrix, enough to change
-    the stored factors and, through the next layer's statistics, later choices.
+    stored in 16-bit floats. The factors come from the float64 eigenvectors of the smaller Gram
+    (`W W^T` or `W^T W`) for the `rank` largest values (`top_eigenpairs`), with canonical signs
+    (ftc-method.md §16), not from an SVD: the same top-`rank` singular pairs (to float64 rounding
+    where the spectrum has a gap; `A @ B` is the projection of `W` onto them in any case) in a
+    fraction of the memory and time. LAPACK's SVD holds a copy, both factors and a workspace of
+    four times the matrix; at a 7B model's `W_O` (4096 x 4096) that was the compression's peak
+    (benchmarks/results/memory.md). Float32 would not do: its vectors move by 1e-4 with the thread
+    count.
     """
-    u, s, vh = torch.linalg.svd(w.to(WORK_DTYPE), full_matrices=False)
-    scale = s[:rank].sqrt() * pivot_signs(u[:, :rank])  # a sign flip on both sides leaves A @ B unchanged
-    return u[:, :rank] * scale, scale[:, None] * vh[:rank]
+    w = w.to(WORK_DTYPE)
+    rows, cols = w.shape
+    rank = min(rank, rows, cols)
+    left = rows <= cols  # the Gram of the shorter side
+    values, top = top_eigenpairs(w @ w.T if left else w.T @ w, rank, owned=True)
+    values, top = values.to(w.device), top.to(w.device)
+    root = values.clamp_min(0).pow(0.25)  # sqrt of each singular value
+    inverse = torch.where(root > 0, root.reciprocal(), torch.zeros_like(root))  # a null direction adds nothing
+    if left:  # top = U: A = U sqrt(S), B = sqrt(S)^-1 U^T W = sqrt(S) V^T
+        a, b = top * root, inverse[:, None] * (top.T @ w)
+    else:  # top = V: A = W V sqrt(S)^-1 = U sqrt(S), B = sqrt(S) V^T
+        a, b = (w @ top) * inverse, root[:, None] * top.T
+    signs = pivot_signs(a)  # a sign flip on both sides leaves A @ B unchanged
+    return a * signs, signs[:, None] * b
 
 
 def whitened_svd(w: torch.Tensor, whitening: Whitening, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,36 @@ def pivot_signs(vectors: torch.Tensor) -> torch.Tensor:
     return torch.where(pivot < 0, -1.0, 1.0).to(vectors.dtype)
 
 
+def top_eigenpairs(gram: torch.Tensor, count: int, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` largest eigenvalues of a symmetric matrix and their eigenvectors, largest first,
+    in float64 (signs as LAPACK leaves them: see `pivot_signs`).
+
+    On the CPU through LAPACK's `syevr` for that subset only (SciPy): it computes no other vector
+    and, given a buffer it may overwrite (`owned`: the caller's float64 `gram` is then destroyed),
+    holds about half the matrix beside it, where torch's `eigh` holds a copy, every vector and a
+    workspace of twice the matrix (4.3 times it in all at width 4096, in twice the time). At a
+    7B-shaped layer that set the memory peak of the Q/K/V and `W_O` steps
+    (benchmarks/results/memory.md). Results agree with torch's to about 1e-13 and do not move with
+    the thread count. On other devices, torch's `eigh`.
+    """
+    count = min(count, gram.shape[0])
+    if gram.device.type != "cpu":
+        values, vectors = torch.linalg.eigh(gram.to(WORK_DTYPE))
+        return values[-count:].flip(0), vectors[:, -count:].flip(1)
+    import scipy.linalg
+
+    wide = gram.detach().to(WORK_DTYPE)
+    if not owned and wide.data_ptr() == gram.data_ptr():
+        wide = wide.clone()
+    size = wide.shape[0]
+    # the transpose of a C-ordered symmetric matrix is the same matrix in the Fortran order LAPACK
+    # works in, so `overwrite_a` works in place instead of on a copy; its upper triangle is the
+    # C-ordered lower one, the triangle torch's `eigh` reads
+    values, vectors = scipy.linalg.eigh(wide.numpy().T, lower=False, subset_by_index=(size - count, size - 1),
+                                        driver="evr", overwrite_a=True, check_finite=False)
+    return torch.from_numpy(values[::-1].copy()), torch.from_numpy(vectors[:, ::-1].copy())
+
+
 def row_chunks(x: torch.Tensor, dim: int) -> Iterator[torch.Tensor]:
     """The rows of `x` in the pieces its float32 products are taken over: each sequence of a
     `(sequences, positions, dim)` batch on its own (cut every `CHUNK_ROWS` positions), any other

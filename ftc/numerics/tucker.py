@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metric import WORK_DTYPE, Whitening, pivot_signs
+from .metric import WORK_DTYPE, Whitening, pivot_signs, top_eigenpairs
 
 MASK_UNIT_BITS = 16
 """The support mask is counted in units of one 16-bit stored value (§1)."""
@@ -123,8 +123,18 @@ def core_from(tu2: torch.Tensor, u1: torch.Tensor) -> torch.Tensor:
 
 
 def project_core(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor | None) -> torch.Tensor:
-    """`G_s = U1^T B_s U2` for every slice, as `U1^T (B_s U2)`: the narrow factor `U2` goes first."""
-    return core_from(times_u2(tensor, u2), u1)
+    """`G_s = U1^T B_s U2` for every slice, as `U1^T (B_s U2)`: the narrow factor `U2` goes first.
+
+    `GRAM_SLICES` slices at a time into the core: the HOSVD's `U2` is square, so `B_s U2` of every
+    slice at once would be a float64 temporary the size of the tensor (201 MB at a 7B-shaped
+    layer, part of its Q/K/V peak; benchmarks/results/memory.md). Each slice's products are the same.
+    """
+    slices, r1 = tensor.shape[0], u1.shape[1]
+    core = tensor.new_empty(slices, r1, tensor.shape[2] if u2 is None else u2.shape[1])
+    for start in range(0, slices, GRAM_SLICES):
+        part = tensor[start : start + GRAM_SLICES]
+        core[start : start + GRAM_SLICES] = core_from(times_u2(part, u2), u1)
+    return core
 
 
 def reconstruct(u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor | None) -> torch.Tensor:
@@ -157,16 +167,16 @@ def mode2_gram(tensor: torch.Tensor) -> torch.Tensor:
     return rows.T @ rows
 
 
-def leading_eigenvectors(gram: torch.Tensor, count: int) -> torch.Tensor:
+def leading_eigenvectors(gram: torch.Tensor, count: int, owned: bool = False) -> torch.Tensor:
     """The `count` eigenvectors of a symmetric PSD Gram with the largest eigenvalues, largest first.
 
     These are the left singular vectors of the matrix the Gram was formed from: the HOSVD needs
     no right singular vectors, which for the mode-2 unfolding would be `(dh, S d)`. Solved in
     float64 with canonical signs (§16): eigenvalues near a rank cut lie 1e-6 of the largest apart,
-    where float32 resolves about 1e-7 and its vectors move with the thread count.
+    where float32 resolves about 1e-7 and its vectors move with the thread count. `owned`: the
+    caller's float64 `gram` may be overwritten (`top_eigenpairs`).
     """
-    vectors = torch.linalg.eigh(gram.to(WORK_DTYPE))[1]
-    vectors = vectors[:, vectors.shape[1] - count :].flip(1)  # copies only the columns kept
+    vectors = top_eigenpairs(gram, count, owned=owned)[1].to(gram.device)
     return vectors * pivot_signs(vectors)
 
 
@@ -187,8 +197,8 @@ def hosvd(tensor: torch.Tensor, max_r1: int | None = None, mode2: bool = True
     `mode2` the second factor is the identity (None, §17) and the core `U1^T B_s`.
     """
     m1, m2 = hosvd_ranks(tensor)
-    u1 = leading_eigenvectors(mode1_gram(tensor), m1 if max_r1 is None else max(1, min(m1, max_r1)))
-    u2 = leading_eigenvectors(mode2_gram(tensor), m2) if mode2 else None
+    u1 = leading_eigenvectors(mode1_gram(tensor), m1 if max_r1 is None else max(1, min(m1, max_r1)), owned=True)
+    u2 = leading_eigenvectors(mode2_gram(tensor), m2, owned=True) if mode2 else None
     return u1, u2, project_core(tensor, u1, u2)
 
 
@@ -259,7 +269,10 @@ class _EnergyTable:
     def __init__(self, core: torch.Tensor, r2: int) -> None:
         self.r2 = r2
         self.row = core.shape[0] * r2
-        self.squares = core[:, :, :r2].pow(2).permute(1, 0, 2).reshape(-1).contiguous()
+        # squared straight into the mode-1-row-major buffer: no core-sized temporary beside it
+        self.squares = core.new_empty(core.shape[1], core.shape[0], r2)
+        torch.pow(core[:, :, :r2].permute(1, 0, 2), 2, out=self.squares)
+        self.squares = self.squares.reshape(-1)
         self._last: tuple[int, int, torch.Tensor] | None = None  # (r1, K, the top-K values)
 
     def energy(self, r1: int, kept: int) -> float:
@@ -395,15 +408,17 @@ def refit(
     """
     d, (r1, r2) = tensor.shape[1], mask.shape[1:]
     tu2 = times_u2(tensor, u2)
-    core = mask * core_from(tu2, u1)
+    core = core_from(tu2, u1).mul_(mask)
     for _ in range(iterations):
         u1 = polar(tu2.reshape(-1, d).T @ core.mT.reshape(-1, r1))
         if u2 is not None:  # the identity (§17) is not refitted
+            del tu2  # the old `B_s U2` goes before the new one exists (each is most of the tensor's size)
             tu1 = u1.T @ tensor  # (S, r1, dh): U1^T B_s
             u2 = polar(tu1.reshape(-1, tensor.shape[2]).T @ core.reshape(-1, r2))
             del tu1
             tu2 = times_u2(tensor, u2)
-        core = mask * core_from(tu2, u1)
+        del core
+        core = core_from(tu2, u1).mul_(mask)
     return u1, u2, core
 
 

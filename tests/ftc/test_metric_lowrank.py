@@ -14,7 +14,7 @@ from ftc.numerics.lowrank import (
     weighted_error,
     whitened_svd,
 )
-from ftc.numerics.metric import Moments, Whitening, damp, guarded_cholesky
+from ftc.numerics.metric import Moments, Whitening, damp, guarded_cholesky, pivot_signs, top_eigenpairs
 
 torch.manual_seed(0)
 D = torch.float64
@@ -100,6 +100,44 @@ def test_truncated_svd_reaches_the_eckart_young_error():
     a, b = truncated_svd(w, 6)
     torch.testing.assert_close((w - a @ b).pow(2).sum(), s[6:].pow(2).sum())
 
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D])
+def test_top_eigenpairs_are_the_leading_ones_largest_first_and_leave_a_gram_not_handed_over(dtype):
+    x = torch.randn(50, 12, dtype=D)
+    gram = (x.T @ x).to(dtype)
+    kept = gram.clone()
+    values, vectors = top_eigenpairs(gram, 5)
+    every, basis = torch.linalg.eigh(gram.to(D))
+    assert values.dtype == vectors.dtype == D and vectors.shape == (12, 5)
+    torch.testing.assert_close(values, every.flip(0)[:5], rtol=1e-12, atol=0)
+    leading = basis.flip(1)[:, :5]
+    torch.testing.assert_close(vectors * pivot_signs(vectors), leading * pivot_signs(leading), rtol=0, atol=1e-10)
+    assert torch.equal(gram, kept)  # not `owned`: the caller's Gram is read, never written
+    assert top_eigenpairs(gram, 40)[1].shape == (12, 12)
+
+@pytest.mark.parametrize("shape", [(30, 20), (20, 30), (24, 24)])
+def test_truncated_svd_gives_the_svds_factors_with_canonical_signs(shape):
+    """From the Gram's eigenvectors, on either side: `U sqrt(S)` and `sqrt(S) V^T` of LAPACK's SVD,
+    each pair signed so the largest entry of its `A` column is positive."""
+    w = torch.randn(*shape, dtype=D)
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    scale = s[:6].sqrt() * pivot_signs(u[:, :6])
+    a, b = truncated_svd(w, 6)
+    torch.testing.assert_close(a, u[:, :6] * scale, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(b, scale[:, None] * vh[:6], rtol=1e-9, atol=1e-11)
+    assert (a.gather(0, a.abs().argmax(0, keepdim=True)) > 0).all()
+
+
+def test_truncated_svd_of_a_rank_deficient_matrix_is_finite_and_exact():
+    """A rank above the matrix's: the null directions' (rounding-sized) eigenvalues add nothing."""
+    w = torch.randn(20, 3, dtype=D) @ torch.randn(3, 16, dtype=D)
+    for matrix in (w, w.T, torch.zeros(5, 4, dtype=D)):
+        a, b = truncated_svd(matrix, 5)
+        assert a.shape[1] == b.shape[0] == min(5, *matrix.shape)
+        assert torch.isfinite(a).all() and torch.isfinite(b).all()
+        torch.testing.assert_close(a @ b, matrix, rtol=0, atol=1e-6)
 
 def test_whitened_svd_minimises_the_activation_weighted_error():
     x = _activations(d=20)

@@ -128,7 +128,11 @@ def test_hosvd_up_to_the_reachable_rank_is_the_leading_block_and_allocates_the_s
         torch.testing.assert_close(capped_u1, u1[:, :cap])
         torch.testing.assert_close(capped, core[:, :cap])
         full = allocate(core, total, budget, 40, 8)
-        assert allocate(capped, total, budget, 40, 8, ranks=hosvd_ranks(t)) == pytest.approx(full)
+        found = allocate(capped, total, budget, 40, 8, ranks=hosvd_ranks(t))
+        # the same choice; the capped eigenvectors are computed as a subset (`top_eigenpairs`), so
+        # their last bits may differ from the full set's
+        assert (found.r1, found.r2, found.kept) == (full.r1, full.r2, full.kept)
+        assert found.predicted_error == pytest.approx(full.predicted_error, rel=1e-12)
 
 
 @pytest.mark.parametrize("balance", [True, False])
