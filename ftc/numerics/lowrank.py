@@ -48,7 +48,6 @@ def truncated_svd(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
     rank = min(rank, rows, cols)
     left = rows <= cols  # the Gram of the shorter side
     values, top = top_eigenpairs(w @ w.T if left else w.T @ w, rank, owned=True)
-    values, top = values.to(w.device), top.to(w.device)
     root = values.clamp_min(0).pow(0.25)  # sqrt of each singular value
     inverse = torch.where(root > 0, root.reciprocal(), torch.zeros_like(root))  # a null direction adds nothing
     if left:  # top = U: A = U sqrt(S), B = sqrt(S)^-1 U^T W = sqrt(S) V^T

@@ -49,7 +49,7 @@ def pivot_signs(vectors: torch.Tensor) -> torch.Tensor:
 
 def top_eigenpairs(gram: torch.Tensor, count: int, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The `count` largest eigenvalues of a symmetric matrix and their eigenvectors, largest first,
-    in float64 (signs as LAPACK leaves them: see `pivot_signs`).
+    in float64 on the matrix's device (signs as LAPACK leaves them: see `pivot_signs`).
 
     On the CPU through LAPACK's `syevr` for that subset only (SciPy): it computes no other vector
     and, given a buffer it may overwrite (`owned`: the caller's float64 `gram` is then destroyed),

@@ -176,7 +176,7 @@ def leading_eigenvectors(gram: torch.Tensor, count: int, owned: bool = False) ->
     where float32 resolves about 1e-7 and its vectors move with the thread count. `owned`: the
     caller's float64 `gram` may be overwritten (`top_eigenpairs`).
     """
-    vectors = top_eigenpairs(gram, count, owned=owned)[1].to(gram.device)
+    vectors = top_eigenpairs(gram, count, owned=owned)[1]
     return vectors * pivot_signs(vectors)
 
 

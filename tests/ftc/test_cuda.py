@@ -99,4 +99,3 @@ def test_an_artifact_runs_on_cuda_as_on_the_cpu(layout, tiny_artifact):
     gap = _rel(_logits(half), reference)
     print(f"{layout} bfloat16: cuda vs cpu float32 logits, relative {gap:.2e}")
     assert gap < 0.05
-

@@ -101,8 +101,6 @@ def test_truncated_svd_reaches_the_eckart_young_error():
     torch.testing.assert_close((w - a @ b).pow(2).sum(), s[6:].pow(2).sum())
 
 
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, D])
 def test_top_eigenpairs_are_the_leading_ones_largest_first_and_leave_a_gram_not_handed_over(dtype):
     x = torch.randn(50, 12, dtype=D)
@@ -116,6 +114,7 @@ def test_top_eigenpairs_are_the_leading_ones_largest_first_and_leave_a_gram_not_
     torch.testing.assert_close(vectors * pivot_signs(vectors), leading * pivot_signs(leading), rtol=0, atol=1e-10)
     assert torch.equal(gram, kept)  # not `owned`: the caller's Gram is read, never written
     assert top_eigenpairs(gram, 40)[1].shape == (12, 12)
+
 
 @pytest.mark.parametrize("shape", [(30, 20), (20, 30), (24, 24)])
 def test_truncated_svd_gives_the_svds_factors_with_canonical_signs(shape):
@@ -138,6 +137,7 @@ def test_truncated_svd_of_a_rank_deficient_matrix_is_finite_and_exact():
         assert a.shape[1] == b.shape[0] == min(5, *matrix.shape)
         assert torch.isfinite(a).all() and torch.isfinite(b).all()
         torch.testing.assert_close(a @ b, matrix, rtol=0, atol=1e-6)
+
 
 def test_whitened_svd_minimises_the_activation_weighted_error():
     x = _activations(d=20)
