@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .metric import Whitening
-from .tucker import allocate, hosvd, whiten_and_balance
+from .tucker import EnergyTable, allocate, hosvd, whiten_and_balance
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,9 @@ def tucker_curve(tensor: torch.Tensor, whitening: Whitening, budgets: list[int],
     balanced, _ = whiten_and_balance(tensor, whitening, balance, weights)
     total = float(balanced.pow(2).sum()) or 1.0
     _, _, core = hosvd(balanced)
-    del balanced  # spent: the allocations' energy tables are the next peak (a 7B layer's is 0.2 GB each)
-    return [allocate(core, total, b, d, dh).predicted_error / total for b in budgets]
+    del balanced  # spent: the allocations' selections are the next peak
+    table = EnergyTable(core, owned=True)
+    return [allocate(table, total, b, d, dh).predicted_error / total for b in budgets]
 
 
 def heterogeneous_ratios(losses: torch.Tensor, ratio: float, floor: float = 0.01) -> list[float]:

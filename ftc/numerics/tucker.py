@@ -203,9 +203,15 @@ def hosvd(tensor: torch.Tensor, max_r1: int | None = None, mode2: bool = True
 
 
 def tucker_error(tensor: torch.Tensor, u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor | None) -> float:
-    """`||B - U1 G U2^T||_F^2` without forming the reconstruction (U1, U2 orthonormal)."""
-    inner = float((project_core(tensor, u1, u2) * core).sum())
-    return squared_norm(tensor) - 2 * inner + float(core.pow(2).sum())
+    """`||B - U1 G U2^T||_F^2` without forming the reconstruction (U1, U2 orthonormal).
+
+    The inner product `<U1^T B_s U2, G_s>` is summed a few slices at a time, as `project_core`
+    projects: no core-sized temporary (it held two at the end of §7, a 7B-shaped layer's peak)."""
+    inner = 0.0
+    for start in range(0, tensor.shape[0], GRAM_SLICES):
+        part = slice(start, start + GRAM_SLICES)
+        inner += float((core_from(times_u2(tensor[part], u2), u1) * core[part]).sum())
+    return squared_norm(tensor) - 2 * inner + squared_norm(core)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,11 +228,29 @@ class Allocation:
 
 
 def tie_key(values: torch.Tensor) -> torch.Tensor:
-    """`values` rounded to steps of `TIE_TOLERANCE` times their largest magnitude (float64), so
-    values closer than that compare equal and a stable sort orders them by index (§16)."""
-    wide = values.to(WORK_DTYPE)
-    scale = wide.abs().max().clamp_min(torch.finfo(WORK_DTYPE).tiny) * TIE_TOLERANCE
-    return torch.round(wide / scale)
+    """`|values|` rounded to steps of `TIE_TOLERANCE` times their largest (float64), so magnitudes
+    closer than that compare equal and a stable sort orders them by index (§16). One new buffer."""
+    key = values.abs().to(WORK_DTYPE)
+    scale = key.max().clamp_min(torch.finfo(WORK_DTYPE).tiny) * TIE_TOLERANCE
+    return key.div_(scale).round_()
+
+
+def largest(values: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` largest entries of a 1-D buffer the caller hands over (it is reordered), unordered.
+
+    On the CPU an in-place partition (NumPy's introselect) that allocates nothing and returns a view
+    of the buffer's tail: `torch.topk` holds a (value, int64 index) pair per entry of its input
+    beside its values and indices, 32 bytes per float64 entry, which set the memory peak of a
+    7B-shaped layer's allocation (benchmarks/results/memory.md). The values are the same; only
+    their order differs. On other devices, `torch.topk`.
+    """
+    if count >= values.numel():
+        return values
+    if values.device.type != "cpu":
+        return torch.topk(values, count, sorted=False).values
+    cut = values.numel() - count
+    values.numpy().partition(cut)
+    return values[cut:]
 
 
 def top_k_mask(core: torch.Tensor, kept: int) -> torch.Tensor:
@@ -243,8 +267,8 @@ def top_k_mask(core: torch.Tensor, kept: int) -> torch.Tensor:
     flat = core.flatten()
     if kept >= flat.numel():
         return torch.ones_like(core, dtype=torch.bool)
-    key = tie_key(flat.abs())
-    cut = torch.kthvalue(key, flat.numel() - kept + 1).values
+    cut = largest(tie_key(flat), kept).min()
+    key = tie_key(flat)  # again rather than a copy kept beside the selection's buffer
     mask = key > cut
     mask[(key == cut).nonzero()[: kept - int(mask.sum()), 0]] = True
     return mask.view_as(core)
@@ -256,35 +280,44 @@ def clearly_below(value: float, other: float) -> bool:
     return value < other - TIE_TOLERANCE * max(abs(value), abs(other))
 
 
-class _EnergyTable:
-    """Top-K retained energy of `G[:, :r1, :r2]` for many `(r1, K)` at one `r2`.
+class EnergyTable:
+    """Top-K retained energy of `G[:, :r1, :r2]` for many `(r1, r2, K)`, from one squared core.
 
-    The squared block is laid out mode-1-row-major once, so the entries of `G[:, :r1, :r2]` are a
-    prefix of it and each candidate is one partial selection (`topk`), linear in the block size.
-    Candidates in the coarse grid's order (`r1` up, so `K` down) select from less: the top `K'`
-    of a longer prefix lie among the previous candidate's top `K >= K'` and the rows added since
-    (anything else is beaten by `K` entries already), so that pool replaces the whole prefix.
+    The squares are the core's own buffer when the caller hands it over (`owned`): no second
+    core-sized table beside it. Each candidate copies what it selects from into one pool and takes
+    a partial selection (`largest`), linear in the pool. Candidates in the coarse grid's order
+    (one `r2`, `r1` up, so `K` down) select from less: the top `K'` of a larger block lie among
+    the previous candidate's top `K >= K'` and the rows added since (anything else is beaten by
+    `K` entries already), so that pool replaces the whole block.
     """
 
-    def __init__(self, core: torch.Tensor, r2: int) -> None:
-        self.r2 = r2
-        self.row = core.shape[0] * r2
-        # squared straight into the mode-1-row-major buffer: no core-sized temporary beside it
-        self.squares = core.new_empty(core.shape[1], core.shape[0], r2)
-        torch.pow(core[:, :, :r2].permute(1, 0, 2), 2, out=self.squares)
-        self.squares = self.squares.reshape(-1)
-        self._last: tuple[int, int, torch.Tensor] | None = None  # (r1, K, the top-K values)
+    def __init__(self, core: torch.Tensor, owned: bool = False) -> None:
+        self.squares = core.square_() if owned else core.square()
+        self._last: tuple[int, int, int, torch.Tensor] | None = None  # (r1, r2, K, the top-K values)
 
-    def energy(self, r1: int, kept: int) -> float:
-        last, self._last = self._last, None  # freed before the next selection's buffers exist
-        if last is not None and r1 >= last[0] and kept <= last[1]:
-            pool = torch.cat([last[2], self.squares[last[0] * self.row : r1 * self.row]])
-        else:
-            pool = self.squares[: r1 * self.row]
+    @property
+    def shape(self) -> torch.Size:
+        return self.squares.shape
+
+    def energy(self, r1: int, r2: int, kept: int) -> float:
+        last, self._last = self._last, None
+        start, carried = 0, None
+        if last is not None and r2 == last[1] and r1 >= last[0] and kept <= last[2]:
+            start, carried = last[0], last[3]
         del last
-        top = pool if kept >= pool.numel() else torch.topk(pool, kept, sorted=False).values
-        self._last = (r1, kept, top)
-        return float(top.double().sum())
+        rows = self.squares[:, start:r1, :r2]
+        held = 0 if carried is None else carried.numel()
+        pool = self.squares.new_empty(held + rows.numel())  # `largest` reorders its buffer
+        if carried is not None:
+            pool[:held] = carried
+        pool[held:].view(rows.shape).copy_(rows)
+        del carried  # the previous top-K goes before this one is selected
+        top = largest(pool, kept)
+        if top.numel() < pool.numel():
+            top = top.clone()  # a view of the pool's tail: copied, so the rest of the pool is freed
+        del pool
+        self._last = (r1, r2, kept, top)
+        return float(top.sum())
 
 
 def _grid(limit: int, points: int) -> list[int]:
@@ -302,7 +335,7 @@ def reachable_r1(budget: int, d: int, dh: int) -> int:
 
 
 def allocate(
-    core: torch.Tensor,
+    table: EnergyTable,
     total_energy: float,
     budget: int,
     d: int,
@@ -313,31 +346,28 @@ def allocate(
 ) -> Allocation:
     """Pick `(r1, r2, K)` with the least predicted error under the budget (§6).
 
-    Candidates come from the one HOSVD core: a coarse grid over both ranks, then every rank pair
-    around the best cell with the step halved each round, one rank at a time **[choice]**.
-    `ranks` are the full HOSVD's `(m1, m2)` that span the grid when `core` holds only the rows up
+    Candidates come from the one HOSVD core's squares (`table`): a coarse grid over both ranks,
+    then every rank pair around the best cell with the step halved each round, one rank at a time
+    **[choice]**. `ranks` are the full HOSVD's `(m1, m2)` that span the grid when the core holds only the rows up
     to `reachable_r1` (the candidates beyond fit no core, so the choice is the same). Without
     `mode2` (§17) `r2` is the whole second mode, which costs no factor, and only `r1` is searched.
     """
-    slices, m1, m2 = core.shape
+    slices, m1, m2 = table.shape
+    held = table.shape[1:]
     if ranks is not None:
         m1, m2 = ranks
     if not mode2:
-        m2 = core.shape[2]
+        m2 = held[1]
     best: Allocation | None = None
-    table: _EnergyTable | None = None  # one at a time: each is a copy of up to the whole core
 
     def consider(r1: int, r2: int) -> None:
-        nonlocal best, table
+        nonlocal best
         kept = core_capacity(budget, d, dh, slices, r1, r2, mode2)
         if kept <= 0:
             return
-        if r1 > core.shape[1] or r2 > core.shape[2]:
-            raise ValueError(f"rank ({r1}, {r2}) fits the budget but the core holds only {tuple(core.shape[1:])}")
-        if table is None or table.r2 != r2:
-            table = None  # free the previous table before its successor is built
-            table = _EnergyTable(core, r2)
-        err = total_energy - table.energy(r1, kept)
+        if r1 > held[0] or r2 > held[1]:
+            raise ValueError(f"rank ({r1}, {r2}) fits the budget but the core holds only {tuple(held)}")
+        err = total_energy - table.energy(r1, r2, kept)
         if best is None or clearly_below(err, best.predicted_error):
             best = Allocation(r1, r2, kept, err)
 
@@ -397,29 +427,51 @@ def polar(m: torch.Tensor) -> torch.Tensor:
 
 
 def refit(
-    tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor, mask: torch.Tensor, iterations: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor | None, mask: torch.Tensor, iterations: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Alternate the two Procrustes factor updates and the exact core on the support (§7).
 
-    Each update is optimal given the others, so the error never increases. Both Procrustes
-    targets are single GEMMs over free reshapes: `sum_s B_s U2 G_s^T = (d, S r2) @ (S r2, r1)` and
-    `sum_s B_s^T U1 G_s = (dh, S r1) @ (S r1, r2)`; `B_s U2` is reused by the next core and the
-    next `U1` update, so one pass costs two products with the whole tensor.
+    Each update is optimal given the others, so the error never increases. Every product is taken
+    a few slices at a time (`_core_pass`, `_u2_target`): the Procrustes targets are sums over
+    slices, `sum_s B_s U2 G_s^T` and `sum_s B_s^T U1 G_s`, and the first one reuses the `B_s U2`
+    of the core it is formed with, so one pass costs the same products as whole-tensor GEMMs
+    without their two tensor-sized float64 temporaries (a 7B-shaped layer's Q/K/V peak,
+    benchmarks/results/memory.md).
     """
-    d, (r1, r2) = tensor.shape[1], mask.shape[1:]
-    tu2 = times_u2(tensor, u2)
-    core = core_from(tu2, u1).mul_(mask)
-    for _ in range(iterations):
-        u1 = polar(tu2.reshape(-1, d).T @ core.mT.reshape(-1, r1))
+    slices, r1, r2 = mask.shape
+    core = tensor.new_empty(slices, r1, r2)
+    u1_target = _core_pass(tensor, u1, u2, mask, core, iterations > 0)
+    for i in range(iterations):
+        u1 = polar(u1_target)
         if u2 is not None:  # the identity (§17) is not refitted
-            del tu2  # the old `B_s U2` goes before the new one exists (each is most of the tensor's size)
-            tu1 = u1.T @ tensor  # (S, r1, dh): U1^T B_s
-            u2 = polar(tu1.reshape(-1, tensor.shape[2]).T @ core.reshape(-1, r2))
-            del tu1
-            tu2 = times_u2(tensor, u2)
-        del core
-        core = core_from(tu2, u1).mul_(mask)
+            u2 = polar(_u2_target(tensor, u1, core))
+        u1_target = _core_pass(tensor, u1, u2, mask, core, i < iterations - 1)
     return u1, u2, core
+
+
+def _core_pass(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor | None, mask: torch.Tensor,
+               core: torch.Tensor, with_target: bool) -> torch.Tensor | None:
+    """Write the exact core on the support, `G_s = U1^T B_s U2` masked, into `core`; with
+    `with_target`, also return the `U1` Procrustes target `sum_s B_s U2 G_s^T` (d x r1) of that core."""
+    d, r1 = u1.shape
+    target = tensor.new_zeros(d, r1) if with_target else None
+    for start in range(0, tensor.shape[0], GRAM_SLICES):
+        part = slice(start, start + GRAM_SLICES)
+        tu2 = times_u2(tensor[part], u2)
+        core[part] = core_from(tu2, u1).mul_(mask[part])
+        if target is not None:
+            target.addmm_(tu2.reshape(-1, d).T, core[part].mT.reshape(-1, r1))
+    return target
+
+
+def _u2_target(tensor: torch.Tensor, u1: torch.Tensor, core: torch.Tensor) -> torch.Tensor:
+    """The `U2` Procrustes target `sum_s B_s^T U1 G_s` (dh x r2), a few slices at a time."""
+    dh, r2 = tensor.shape[2], core.shape[2]
+    target = tensor.new_zeros(dh, r2)
+    for start in range(0, tensor.shape[0], GRAM_SLICES):
+        tu1 = u1.T @ tensor[start : start + GRAM_SLICES]  # (g, r1, dh): U1^T B_s
+        target.addmm_(tu1.reshape(-1, dh).T, core[start : start + GRAM_SLICES].reshape(-1, r2))
+    return target
 
 
 def prune_refit(
@@ -446,6 +498,7 @@ def prune_refit(
     for t in range(1, steps + 1):
         kept_t = max(kept, round(total * (kept / total) ** (t / steps)))
         mask = top_k_mask(core, kept_t)
+        del core  # spent: the refit builds its own
         g1, g2, core = refit(tensor, g1, g2, mask, refits)
     # the one-shot candidate only has to bound the result by the allocator's prediction: a single
     # refit pass already does (it never increases the error), the rest would rarely change the pick
@@ -543,7 +596,7 @@ def compress_tensor(
     ranks = hosvd_ranks(balanced)
     u1, u2, core = hosvd(balanced, reachable_r1(budget, d, dh), mode2)
     if coupled:
-        alloc = allocate(core, total, budget, d, dh, ranks=ranks, mode2=mode2)
+        alloc = allocate(EnergyTable(core, owned=True), total, budget, d, dh, ranks=ranks, mode2=mode2)  # squares it
     else:
         r1, r2 = fixed_ranks(budget, d, dh, slices, *ranks)
         dense = r1 * r2 * slices

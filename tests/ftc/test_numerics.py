@@ -12,6 +12,7 @@ import torch
 from ftc.numerics.lowrank import weighted_error
 from ftc.numerics.metric import ActivationError, Moments, Whitening, damp, damped_factors
 from ftc.numerics.tucker import (
+    EnergyTable,
     TuckerFactors,
     allocate,
     core_capacity,
@@ -90,11 +91,11 @@ def _refit_batched(t, u1, u2, mask, iterations):
     return u1, u2, core
 
 
-def test_single_gemm_refit_equals_the_batched_sum_form():
-    t = structured_tensor()
+def test_slice_chunked_refit_equals_the_batched_sum_form():
+    t = structured_tensor(slices=19)  # more than GRAM_SLICES: the sums run over three chunks
     u1, u2, _ = hosvd(t)
     u1, u2 = u1[:, :10], u2[:, :5]
-    mask = top_k_mask(project_core(t, u1, u2), 150)
+    mask = top_k_mask(project_core(t, u1, u2), 400)
     fast = refit(t, u1, u2, mask, 3)
     slow = _refit_batched(t, u1, u2, mask, 3)
     for a, b in zip(fast, slow, strict=True):
@@ -127,8 +128,8 @@ def test_hosvd_up_to_the_reachable_rank_is_the_leading_block_and_allocates_the_s
         assert capped_u1.shape == (40, cap) and capped.shape == (6, cap, 8)
         torch.testing.assert_close(capped_u1, u1[:, :cap])
         torch.testing.assert_close(capped, core[:, :cap])
-        full = allocate(core, total, budget, 40, 8)
-        found = allocate(capped, total, budget, 40, 8, ranks=hosvd_ranks(t))
+        full = allocate(EnergyTable(core), total, budget, 40, 8)
+        found = allocate(EnergyTable(capped), total, budget, 40, 8, ranks=hosvd_ranks(t))
         # the same choice; the capped eigenvectors are computed as a subset (`top_eigenpairs`), so
         # their last bits may differ from the full set's
         assert (found.r1, found.r2, found.kept) == (full.r1, full.r2, full.kept)

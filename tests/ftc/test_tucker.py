@@ -9,12 +9,13 @@ import torch
 
 from ftc.numerics.metric import Whitening
 from ftc.numerics.tucker import (
-    _EnergyTable,
+    EnergyTable,
     allocate,
     compress_tensor,
     core_capacity,
     head_concat,
     hosvd,
+    largest,
     project_core,
     prune_refit,
     reconstruct,
@@ -55,7 +56,7 @@ def test_allocators_predicted_error_equals_the_measured_truncation_error():
     total = float(t.pow(2).sum())
     u1, u2, core = hosvd(t)
     budget = int(0.3 * t.numel())
-    alloc = allocate(core, total, budget, t.shape[1], t.shape[2])
+    alloc = allocate(EnergyTable(core), total, budget, t.shape[1], t.shape[2])
     g = core[:, : alloc.r1, : alloc.r2]
     mask = top_k_mask(g, alloc.kept)
     approx = reconstruct(u1[:, : alloc.r1], g * mask, u2[:, : alloc.r2])
@@ -83,10 +84,20 @@ def test_top_k_mask_is_the_stable_sorts_support_ties_to_the_lower_index():
             assert int(mask.sum()) == kept
 
 
+def test_largest_holds_the_top_k_values_in_the_buffers_own_tail():
+    values = torch.randint(0, 9, (300,), generator=torch.Generator().manual_seed(2)).to(D)  # ties too
+    for count in (1, 17, 299, 300, 400):
+        buffer = values.clone()
+        top = largest(buffer, count)
+        expected = torch.sort(values, descending=True).values[:count]
+        assert torch.equal(torch.sort(top, descending=True).values, expected)
+        assert top.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # a view: no copy
+
+
 def test_energy_table_matches_the_top_k_definition():
     core = hosvd(structured_tensor())[2]
+    table = EnergyTable(core)  # one table for every r2: the carried top-K is used only where it is valid
     for r2 in (2, 5, 8):
-        table = _EnergyTable(core, r2)
         # in the grid's order (r1 up, K down: selected from the previous top-K and the new rows),
         # against it, repeated, and past the block's size
         for r1, kept in [(3, 10), (20, 111), (40, 10_000), (10, 200), (25, 150), (30, 40), (30, 40), (36, 5),
@@ -94,7 +105,7 @@ def test_energy_table_matches_the_top_k_definition():
             # the definition: the `kept` largest squared entries of G[:, :r1, :r2]
             block = core[:, :r1, :r2].pow(2).flatten()
             retained = float(torch.topk(block, min(kept, block.numel())).values.sum())
-            assert table.energy(r1, kept) == pytest.approx(retained, rel=1e-12)
+            assert table.energy(r1, r2, kept) == pytest.approx(retained, rel=1e-12)
 
 
 def test_core_capacity_fills_but_never_exceeds_the_budget():
@@ -123,7 +134,7 @@ def test_prune_refit_ends_no_worse_than_the_allocation_and_respects_k():
     t = structured_tensor()
     total = float(t.pow(2).sum())
     u1, u2, core = hosvd(t)
-    alloc = allocate(core, total, int(0.25 * t.numel()), t.shape[1], t.shape[2])
+    alloc = allocate(EnergyTable(core), total, int(0.25 * t.numel()), t.shape[1], t.shape[2])
     f1, f2, g, mask = prune_refit(t, u1[:, : alloc.r1], u2[:, : alloc.r2], alloc.kept)
     assert int(mask.sum()) == alloc.kept
     assert bool((g[~mask] == 0).all())
