@@ -246,6 +246,8 @@ def largest(values: torch.Tensor, count: int) -> torch.Tensor:
     """
     if count >= values.numel():
         return values
+    if count <= 0:
+        return values[:0]
     if values.device.type != "cpu":
         return torch.topk(values, count, sorted=False).values
     cut = values.numel() - count

@@ -86,7 +86,7 @@ def test_top_k_mask_is_the_stable_sorts_support_ties_to_the_lower_index():
 
 def test_largest_holds_the_top_k_values_in_the_buffers_own_tail():
     values = torch.randint(0, 9, (300,), generator=torch.Generator().manual_seed(2)).to(D)  # ties too
-    for count in (1, 17, 299, 300, 400):
+    for count in (0, 1, 17, 299, 300, 400):
         buffer = values.clone()
         top = largest(buffer, count)
         expected = torch.sort(values, descending=True).values[:count]
