@@ -9,6 +9,7 @@ product into one batched matmul. Slice order: query heads, then key heads, then 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -129,12 +130,21 @@ def project_core(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor | None
     slice at once would be a float64 temporary the size of the tensor (201 MB at a 7B-shaped
     layer, part of its Q/K/V peak; benchmarks/results/memory.md). Each slice's products are the same.
     """
-    slices, r1 = tensor.shape[0], u1.shape[1]
-    core = tensor.new_empty(slices, r1, tensor.shape[2] if u2 is None else u2.shape[1])
-    for start in range(0, slices, GRAM_SLICES):
-        part = tensor[start : start + GRAM_SLICES]
-        core[start : start + GRAM_SLICES] = core_from(times_u2(part, u2), u1)
+    core = tensor.new_empty(tensor.shape[0], u1.shape[1], tensor.shape[2] if u2 is None else u2.shape[1])
+    for part, _, block in projected_slices(tensor, u1, u2):
+        core[part] = block
     return core
+
+
+def projected_slices(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor | None
+                     ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """`(part, B_s U2 of those slices as times_u2 gives it, U1^T B_s U2 of them)`, `GRAM_SLICES`
+    slices at a time: the one loop behind the core's projection, the refits' core and `U1` target,
+    and `tucker_error`, so none of them holds a tensor-sized product."""
+    for start in range(0, tensor.shape[0], GRAM_SLICES):
+        part = slice(start, start + GRAM_SLICES)
+        tu2 = times_u2(tensor[part], u2)
+        yield part, tu2, core_from(tu2, u1)
 
 
 def reconstruct(u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor | None) -> torch.Tensor:
@@ -207,10 +217,7 @@ def tucker_error(tensor: torch.Tensor, u1: torch.Tensor, core: torch.Tensor, u2:
 
     The inner product `<U1^T B_s U2, G_s>` is summed a few slices at a time, as `project_core`
     projects: no core-sized temporary (it held two at the end of §7, a 7B-shaped layer's peak)."""
-    inner = 0.0
-    for start in range(0, tensor.shape[0], GRAM_SLICES):
-        part = slice(start, start + GRAM_SLICES)
-        inner += float((core_from(times_u2(tensor[part], u2), u1) * core[part]).sum())
+    inner = sum(float((block * core[part]).sum()) for part, _, block in projected_slices(tensor, u1, u2))
     return squared_norm(tensor) - 2 * inner + squared_norm(core)
 
 
@@ -350,9 +357,10 @@ def allocate(
 
     Candidates come from the one HOSVD core's squares (`table`): a coarse grid over both ranks,
     then every rank pair around the best cell with the step halved each round, one rank at a time
-    **[choice]**. `ranks` are the full HOSVD's `(m1, m2)` that span the grid when the core holds only the rows up
-    to `reachable_r1` (the candidates beyond fit no core, so the choice is the same). Without
-    `mode2` (§17) `r2` is the whole second mode, which costs no factor, and only `r1` is searched.
+    **[choice]**. `ranks` are the full HOSVD's `(m1, m2)` that span the grid when the core holds
+    only the rows up to `reachable_r1` (the candidates beyond fit no core, so the choice is the
+    same). Without `mode2` (§17) `r2` is the whole second mode, which costs no factor, and only
+    `r1` is searched.
     """
     slices, m1, m2 = table.shape
     held = table.shape[1:]
@@ -457,10 +465,8 @@ def _core_pass(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor | None, 
     `with_target`, also return the `U1` Procrustes target `sum_s B_s U2 G_s^T` (d x r1) of that core."""
     d, r1 = u1.shape
     target = tensor.new_zeros(d, r1) if with_target else None
-    for start in range(0, tensor.shape[0], GRAM_SLICES):
-        part = slice(start, start + GRAM_SLICES)
-        tu2 = times_u2(tensor[part], u2)
-        core[part] = core_from(tu2, u1).mul_(mask[part])
+    for part, tu2, block in projected_slices(tensor, u1, u2):
+        core[part] = block.mul_(mask[part])
         if target is not None:
             target.addmm_(tu2.reshape(-1, d).T, core[part].mT.reshape(-1, r1))
     return target
