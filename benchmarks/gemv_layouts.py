@@ -1,7 +1,8 @@
-"""Which layout a runtime form's matrices should be held in, per dtype: the measurement behind
-`modeling_ftc.output_major` (ftc-method.md §9).
+"""Which layout a runtime form's matrices read fastest in, per dtype: the measurement behind the
+forms being held input-major, and behind the 16-bit output-major layout tried and not kept
+(ftc-method.md §9).
 
-    .venv/bin/python benchmarks/gemv_layouts.py            # about two minutes, alone on the machine
+    .venv/bin/python benchmarks/gemv_layouts.py            # under a minute, alone on the machine
 
 A product `x @ W` can be run from `W` held input-major (`in x out`, applied with `@`) or
 output-major (`out x in`, as `nn.Linear` holds its weight, applied with `F.linear`). The
