@@ -140,7 +140,12 @@ STEPS = (("ftc.compression.methods", "FTC.qkv", "Q/K/V"),
          ("ftc.compression.pipeline", "context_stats", "context statistics"),
          ("ftc.compression.methods", "calibrated_wo", "W_O solve"),
          ("ftc.compression.methods", "guarded_whitened_svd", "W_O truncation"),
-         ("ftc.compression.pipeline", "propagate", "propagation"))
+         ("ftc.compression.pipeline", "propagate", "propagation"),
+         ("ftc.compression.sensitivity", "_Spilled.__init__", "plan: reference"),
+         ("ftc.compression.sensitivity", "_Surveying._tensor_curve", "plan: Q/K/V curve"),
+         ("ftc.compression.sensitivity", "_Surveying._matrix_curve", "plan: W_O curve"),
+         ("ftc.compression.sensitivity", "_through", "plan: layers"),
+         ("ftc.compression.sensitivity", "_kl", "plan: divergence"))
 """(module, attribute, label) of the steps whose peak `--steps` reports; everything else is "other"."""
 
 

@@ -67,6 +67,9 @@ if TYPE_CHECKING:
     from .methods import Method
 
 CACHE_ENV = "FTC_CACHE_DIR"
+PLAN_LOGIT_POSITIONS = 128
+"""Positions whose log-probabilities the layer list holds at once (`_log_probs`): 25 MB of a 49k
+vocabulary in float32, against 100 MB for a whole sequence of 512."""
 SCALE_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "mlp", "up": "mlp", "down": "down"}
 """The input statistic each projection is scaled by in ASVD: its own input's."""
 
@@ -208,17 +211,21 @@ def cached_layer_inputs(model: nn.Module, layout: AttentionLayout, ids: torch.Te
 
 
 def _logits_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: torch.Tensor, batch_size: int,
-                       inputs: list[torch.Tensor], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                       inputs: list[torch.Tensor], device: torch.device, positions: torch.Tensor | None = None
+                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """`(ids, logits)` per batch of `ids`, with layers `0..start-1` replaced by the cached input of
-    layer `start` (`inputs`, one per batch): only the rest of the model runs."""
+    layer `start` (`inputs`, one per batch): only the rest of the model runs. `positions` limits
+    the logits to those positions (transformers' `logits_to_keep`: the head reads only their
+    hidden states, after the final norm of the whole sequence)."""
     layers = decoder_layers(model, layout)
+    keep = {} if positions is None else {"logits_to_keep": positions.to(device)}
     for batch, hidden in zip(range(0, ids.shape[0], batch_size), inputs, strict=True):
         chunk = ids[batch : batch + batch_size].to(device)
         h = hidden.to(device)
         for layer in layers[:start]:
             layer.forward = lambda *args, h=h, **kwargs: h
         try:
-            logits = model(input_ids=chunk, use_cache=False).logits
+            logits = model(input_ids=chunk, use_cache=False, **keep).logits
         finally:
             for layer in layers[:start]:
                 del layer.forward
@@ -522,7 +529,8 @@ class _Surveying:
     def _matrix_curve(self, w: torch.Tensor, gram: torch.Tensor) -> list[float]:
         from ftc.numerics.metric import Whitening
 
-        spectrum = torch.linalg.svdvals(Whitening.from_gram(gram).apply(w.to(WORK_DTYPE))).pow(2)
+        # the whitening is a temporary: its factor is freed before the SVD runs
+        spectrum = torch.linalg.svdvals(Whitening.from_gram(gram).apply_by_columns(w)).pow(2)
         rows, cols = w.shape
         tail = (spectrum.sum() - torch.cumsum(spectrum, 0)) / spectrum.sum().clamp_min(1e-300)
         ranks = [max(1, int(r * rows * cols) // (rows + cols)) for r in self.ratios]
@@ -532,6 +540,7 @@ class _Surveying:
         tensor, repeat = self.method.qkv_tensor(weights, layout)
         self.curves["qkv"] = self._tensor_curve(tensor, x.gram, layout.qkv_params,
                                                 self.method.slice_weights(layout, repeat))
+        del tensor  # the method builds its own
         return self.method.qkv(weights, x, layout)
 
     def o(self, w_o, ctx, layout):
@@ -541,6 +550,7 @@ class _Surveying:
     def mlp_in(self, weights, x, layout):
         tensor = torch.stack([weights[p] for p in layout.mlp_in])
         self.curves["gateup"] = self._tensor_curve(tensor, x.gram, layout.mlp_in_params, None)
+        del tensor
         return self.method.mlp_in(weights, x, layout)
 
     def mlp_out(self, w_down, ctx, layout):
@@ -573,21 +583,29 @@ def _through(model: nn.Module, layout: AttentionLayout, weights: WeightSource, p
 def _log_probs(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, final: list[torch.Tensor],
                device: torch.device) -> Iterator[torch.Tensor]:
     """Next-token log-probabilities (float32) from the last layer's output, through the model's own
-    final norm and head (and any logit soft-capping), one sequence at a time."""
-    layers = len(decoder_layers(model, layout))
-    for _, logits in _logits_from_layer(model, layout, layers, ids, 1, [h[None] for h in torch.cat(final)], device):
-        yield F.log_softmax(logits.float(), dim=-1)[0]
+    final norm and head (and any logit soft-capping), one sequence and `PLAN_LOGIT_POSITIONS`
+    positions at a time: a whole sequence's log-probabilities of a 49k vocabulary are 100 MB, and
+    the logits, the reference's and the divergence's temporaries as many again each, which set the
+    list's peak on a 7B shape (`benchmarks/results/memory.md`). The same values: a position's
+    log-probabilities depend on its own logits only."""
+    layers, length = len(decoder_layers(model, layout)), ids.shape[1]
+    for sequence, hidden in zip(ids, torch.cat(final), strict=True):
+        for start in range(0, length, PLAN_LOGIT_POSITIONS):
+            positions = torch.arange(start, min(start + PLAN_LOGIT_POSITIONS, length))
+            for _, logits in _logits_from_layer(model, layout, layers, sequence[None], 1, [hidden[None]], device,
+                                                positions):
+                yield F.log_softmax(logits.float(), dim=-1)[0]
 
 
 class _Spilled:
-    """The original model's log-probabilities, one sequence at a time, kept in a file rather than in
-    memory: a sequence of a 49k vocabulary is 100 MB in float32 (float16 would err by 1e-5 per token,
-    the size of the smallest divergences), and only one is read back at a time.
+    """The original model's log-probabilities, one block of positions at a time (`_log_probs`), kept
+    in a file rather than in memory: four sequences of a 49k vocabulary are 400 MB in float32 (float16
+    would err by 1e-5 per token, the size of the smallest divergences), and only one block is read
+    back at a time.
 
-    Each sequence is read straight into one buffer reused for every sequence and every reading (the
-    list reads the file once per unit, 12 GB on SmolLM2): a fresh 100 MB array per sequence cost a
-    second copy and its page faults, 14% of the list's time. A yielded tensor is valid until the
-    next one is read."""
+    Each block is read straight into one buffer reused for every block and every reading (the list
+    reads the file once per unit, 12 GB on SmolLM2): a fresh array per block cost a second copy and
+    its page faults, 14% of the list's time. A yielded tensor is valid until the next one is read."""
 
     def __init__(self, sequences: Iterator[torch.Tensor]) -> None:
         import tempfile
@@ -718,7 +736,7 @@ def _head_modules(model: nn.Module, layout: AttentionLayout) -> list[str]:
 
 
 def _kl(log_probs: Iterator[torch.Tensor], reference: _Spilled) -> float:
-    """Mean KL divergence per token of `log_probs` from `reference`, sequence by sequence."""
+    """Mean KL divergence per token of `log_probs` from `reference`, block by block."""
     total, count = 0.0, 0
     for mine, theirs in zip(log_probs, reference, strict=True):
         total += float(F.kl_div(mine, theirs.to(mine.device), reduction="sum", log_target=True))

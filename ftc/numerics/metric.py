@@ -374,6 +374,15 @@ class Whitening:
             return w
         return torch.tensordot(self.chol.T.to(w.dtype), w, dims=1)
 
+    def apply_by_columns(self, w: torch.Tensor, block: int = 512) -> torch.Tensor:
+        """`R^T W` in `WORK_DTYPE` for a matrix `W` of any float dtype, `block` columns at a time:
+        no `WORK_DTYPE` copy of the whole `W` beside the result and the factor (134 MB each at
+        4096 x 4096, which set the layer list's peak on a 7B shape, `benchmarks/results/memory.md`)."""
+        white = torch.empty(w.shape, dtype=WORK_DTYPE, device=w.device)
+        for start in range(0, w.shape[1], block):
+            white[:, start : start + block] = self.apply(w[:, start : start + block].to(WORK_DTYPE))
+        return white
+
     def unapply(self, u: torch.Tensor) -> torch.Tensor:
         """`R^{-T} U` for `U` of shape `(d, r)`: maps a whitened left factor back."""
         if self.chol is None:

@@ -123,14 +123,18 @@ def core_from(tu2: torch.Tensor, u1: torch.Tensor) -> torch.Tensor:
     return u1.T @ tu2.mT
 
 
-def project_core(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor | None) -> torch.Tensor:
+def project_core(tensor: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor | None, into_tensor: bool = False
+                 ) -> torch.Tensor:
     """`G_s = U1^T B_s U2` for every slice, as `U1^T (B_s U2)`: the narrow factor `U2` goes first.
 
     `GRAM_SLICES` slices at a time into the core: the HOSVD's `U2` is square, so `B_s U2` of every
     slice at once would be a float64 temporary the size of the tensor (201 MB at a 7B-shaped
     layer, part of its Q/K/V peak; benchmarks/results/memory.md). Each slice's products are the same.
+    `into_tensor` writes the core over the (contiguous) tensor's own buffer, which is spent: the
+    core's slices before `b` span no more than the tensor's first `b` slices, all read by then.
     """
-    core = tensor.new_empty(tensor.shape[0], u1.shape[1], tensor.shape[2] if u2 is None else u2.shape[1])
+    shape = (tensor.shape[0], u1.shape[1], tensor.shape[2] if u2 is None else u2.shape[1])
+    core = tensor.view(-1)[: math.prod(shape)].view(shape) if into_tensor else tensor.new_empty(shape)
     for part, _, block in projected_slices(tensor, u1, u2):
         core[part] = block
     return core
@@ -196,7 +200,7 @@ def hosvd_ranks(tensor: torch.Tensor) -> tuple[int, int]:
     return min(d, slices * dh), min(dh, slices * d)
 
 
-def hosvd(tensor: torch.Tensor, max_r1: int | None = None, mode2: bool = True
+def hosvd(tensor: torch.Tensor, max_r1: int | None = None, mode2: bool = True, consume: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Full HOSVD with the slice mode kept (§5): nested factors, so `G[:, :r1, :r2]` truncates.
 
@@ -204,12 +208,13 @@ def hosvd(tensor: torch.Tensor, max_r1: int | None = None, mode2: bool = True
     an SVD of the `(d, S dh)` and `(dh, S d)` unfoldings: the same subspaces, far less work.
     `max_r1` keeps only that many leading mode-1 vectors (and core rows): nesting makes the result
     the leading block of the full one, at the memory of the part a budget can reach. Without
-    `mode2` the second factor is the identity (None, §17) and the core `U1^T B_s`.
+    `mode2` the second factor is the identity (None, §17) and the core `U1^T B_s`. `consume`: the
+    core takes the tensor's buffer (`project_core`), for a caller that needs the tensor no more.
     """
     m1, m2 = hosvd_ranks(tensor)
     u1 = leading_eigenvectors(mode1_gram(tensor), m1 if max_r1 is None else max(1, min(m1, max_r1)), owned=True)
     u2 = leading_eigenvectors(mode2_gram(tensor), m2, owned=True) if mode2 else None
-    return u1, u2, project_core(tensor, u1, u2)
+    return u1, u2, project_core(tensor, u1, u2, into_tensor=consume)
 
 
 def tucker_error(tensor: torch.Tensor, u1: torch.Tensor, core: torch.Tensor, u2: torch.Tensor | None) -> float:

@@ -118,12 +118,15 @@ def test_the_sensitivity_allocation_plans_from_its_own_kept_list(method, tiny_fo
 
 
 @pytest.mark.parametrize(("layout_name", "scope"), [("gqa", "attention"), ("gemma3", "model"), ("phi3", "model")])
-def test_each_streamed_divergence_is_that_of_the_unit_alone_compressed(layout_name, scope):
+def test_each_streamed_divergence_is_that_of_the_unit_alone_compressed(layout_name, scope, monkeypatch):
     """The streamed list (§15): unit (l, attention|mlp) holds the KL divergence of the model with only
     that unit of layer l compressed at the reference ratio, measured through an independent route (the
     whole model compressed at that ratio on the original stream, the unit put into a copy of the
-    original model, full forwards), and its predicted errors fall as the ratio grows."""
+    original model, full forwards), and its predicted errors fall as the ratio grows. The list reads
+    the log-probabilities 5 positions at a time here (a last block of 2), the route whole sequences."""
     from ftc.models.weights import ModuleSource
+
+    monkeypatch.setattr(sensitivity, "PLAN_LOGIT_POSITIONS", 5)
 
     model = _confident(layout_name)
     layout = layout_of(model.config)
@@ -146,6 +149,53 @@ def test_each_streamed_divergence_is_that_of_the_unit_alone_compressed(layout_na
         assert curve.divergence == pytest.approx(_divergence(model, alone, ids), rel=2e-3, abs=1e-6), curve
         assert list(curve.errors) == sorted(curve.errors, reverse=True)
         assert curve.reference_error == curve.errors[curve.ratios.index(PLAN_REFERENCE_RATIO)]
+
+
+@pytest.mark.parametrize("part", ["tensor", "matrix"])
+def test_the_survey_frees_the_whitening_before_it_factorises(part, monkeypatch):
+    """The survey's curves (§15) free the whitening's Cholesky factor before the full HOSVD (a tensor)
+    or the SVD (a matrix): at width 4096 it is 134 MB beside them, at the layer list's peak on a 7B
+    shape (`benchmarks/results/memory.md`). The curves are still those of the whitened operand."""
+    import gc
+    import weakref
+
+    from ftc.numerics import allocation, metric
+    from ftc.numerics.metric import Whitening
+
+    made, alive = [], []
+    from_gram = Whitening.from_gram.__func__
+
+    def tracked(cls, *args, **kwargs):
+        whitening = from_gram(cls, *args, **kwargs)
+        made.append(weakref.ref(whitening))
+        return whitening
+
+    def checked(factorise):
+        def run(*args, **kwargs):
+            gc.collect()
+            alive.append(sum(ref() is not None for ref in made))
+            return factorise(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(metric.Whitening, "from_gram", classmethod(tracked))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 12, generator=gen, dtype=torch.float64)
+    gram = x.T @ x / 64
+    survey = sensitivity._Surveying(make_method("ftc", 0.4, torch.float32), (0.2, 0.5))
+    if part == "tensor":
+        monkeypatch.setattr(allocation, "hosvd", checked(allocation.hosvd))
+        tensor = torch.randn(3, 12, 4, generator=gen)
+        curve = survey._tensor_curve(tensor, gram, 3 * 12 * 4, None)
+        expected = allocation.tucker_curve(tensor, Whitening.from_gram(gram), [28, 72])
+    else:
+        monkeypatch.setattr(torch.linalg, "svdvals", checked(torch.linalg.svdvals))
+        w = torch.randn(12, 6, generator=gen)
+        curve = survey._matrix_curve(w, gram)
+        spectrum = torch.linalg.svdvals(Whitening.from_gram(gram).apply(w.double())).pow(2)
+        tail = 1 - spectrum.cumsum(0) / spectrum.sum()
+        expected = [float(tail[max(1, int(r * 72) // 18) - 1]) for r in (0.2, 0.5)]
+    assert alive[0] == 0
+    assert curve == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
 def test_the_streamed_list_holds_one_layer_and_no_head_while_a_layer_is_compressed(monkeypatch):

@@ -85,6 +85,16 @@ def test_weighted_error_in_column_steps_is_the_definition(monkeypatch, balance):
     assert weighted_error(w[0], (a, b), gram) == pytest.approx(weighted_error(w[0], a @ b, gram), rel=1e-12)
 
 
+def test_whitening_by_columns_is_the_whole_product_in_the_work_dtype():
+    """`apply_by_columns` (a block of columns at a time, from any float dtype) is `R^T W` in float64."""
+    x = _activations()
+    white = Whitening.from_gram(x.T @ x / x.shape[0], eps=1e-4)
+    w = torch.randn(x.shape[1], 11, dtype=torch.float32)
+    by_columns = white.apply_by_columns(w, block=4)
+    assert by_columns.dtype == torch.float64
+    torch.testing.assert_close(by_columns, white.apply(w.double()), rtol=1e-12, atol=1e-12)
+
+
 def test_guard_escalates_damping_for_a_singular_gram_and_records_it():
     # an indefinite Gram (rounding can make one) needs eps * mean(diag) > 0.01: eps = 0.1
     gram = torch.diag(torch.tensor([1.0, 1.0, -0.01], dtype=D))

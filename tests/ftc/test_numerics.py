@@ -59,6 +59,21 @@ def test_project_core_is_the_definition():
     torch.testing.assert_close(project_core(t, u1, u2), u1.T @ t @ u2)
 
 
+@pytest.mark.parametrize("mode2", [True, False])
+def test_a_core_written_over_its_tensor_is_the_definition(mode2):
+    """`into_tensor` (the layer list's survey, §15): the core lands in the spent tensor's own buffer,
+    its values those of a fresh core, whatever the slice count against `GRAM_SLICES` and with the
+    narrower `U2` of an MLP-like tensor (`dh > S d`)."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(19, 4, 30, dtype=D, generator=g)
+    u1 = torch.linalg.qr(torch.randn(4, 3, dtype=D, generator=g))[0]
+    u2 = torch.linalg.qr(torch.randn(30, 12, dtype=D, generator=g))[0] if mode2 else None
+    expected = u1.T @ t @ (u2 if mode2 else torch.eye(30, dtype=D))
+    core = project_core(t, u1, u2, into_tensor=True)
+    assert core.data_ptr() == t.data_ptr()
+    torch.testing.assert_close(core, expected, rtol=1e-12, atol=1e-12)
+
+
 def _polar_svd(m: torch.Tensor) -> torch.Tensor:
     p, _, qh = torch.linalg.svd(m, full_matrices=False)
     return p @ qh
