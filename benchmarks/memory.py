@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/memory.py                                  # the default cases below
     .venv/bin/python benchmarks/memory.py --cases tinyllama-1.1b:2,4      # a quick look
     .venv/bin/python benchmarks/memory.py --steps llama-7b                 # where the peak is
+    .venv/bin/python benchmarks/memory.py --steps llama-7b --layers 2      # ... with later layers to stream
 
 Builds synthetic Llama checkpoints (float16, random weights, several safetensors shards,
 SmolLM2's tokenizer) with the layer shape of TinyLlama-1.1B (hidden 2048, MLP 5632, 32 query
@@ -38,6 +39,7 @@ from safetensors.torch import save_file
 
 from ftc.compression.sensitivity import CACHE_ENV
 from ftc.options import ALLOCATIONS, default_allocation
+from ftc.runtime.artifact import MANIFEST
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {
@@ -145,17 +147,22 @@ STEPS = (("ftc.compression.methods", "FTC.qkv", "Q/K/V"),
          ("ftc.compression.sensitivity", "_Surveying._tensor_curve", "plan: Q/K/V curve"),
          ("ftc.compression.sensitivity", "_Surveying._matrix_curve", "plan: W_O curve"),
          ("ftc.compression.sensitivity", "_through", "plan: layers"),
-         ("ftc.compression.sensitivity", "_kl", "plan: divergence"))
-"""(module, attribute, label) of the steps whose peak `--steps` reports; everything else is "other"."""
+         ("ftc.compression.sensitivity", "_kl", "plan: divergence"),
+         ("ftc.compression.sensitivity", "layer_gains", "plan: other"))
+"""(module, attribute, label) of the steps whose peak `--steps` reports; everything else is "other".
+A compression step the layer list runs (it compresses each layer once) is reported as "plan: " and the
+step's label, apart from the same step of the compression proper."""
 
 
-def step_peaks(shape: str, workdir: Path | None, allocation: str) -> dict:
+def step_peaks(shape: str, workdir: Path | None, allocation: str, layers: int = 1) -> dict:
     """Peak RSS (anonymous and file-backed) per step of one streamed FTC compression, in process.
 
     A thread samples /proc/self/status every 2 ms and charges each sample to the step running at
-    the time (the functions of `STEPS`, wrapped for the run). One layer: every layer does the same
-    work. The checkpoint is built in a child process, so its buffers are not in this one's heap;
-    the plan cache is an empty folder, so `sensitivity` measures its layer list in the run.
+    the time (the functions of `STEPS`, wrapped for the run). One layer by default: every layer does
+    the same compression work, but the layer list streams the later layers in for each layer's
+    divergences, which only `layers` above one runs. The checkpoint is built in a child process, so
+    its buffers are not in this one's heap; the plan cache is an empty folder, so `sensitivity`
+    measures its layer list in the run.
     """
     import importlib
     import threading
@@ -165,7 +172,7 @@ def step_peaks(shape: str, workdir: Path | None, allocation: str) -> dict:
     root = Path(tempfile.mkdtemp(dir=workdir))
     try:
         spec = SHAPES[shape]
-        subprocess.run([sys.executable, __file__, "--build", str(root / "model"), shape], check=True)
+        subprocess.run([sys.executable, __file__, "--build", str(root / "model"), shape, str(layers)], check=True)
         current, peaks = ["other"], {}
 
         def sample() -> None:
@@ -178,7 +185,9 @@ def step_peaks(shape: str, workdir: Path | None, allocation: str) -> dict:
 
         def wrapped(function, label):
             def run(*args, **kwargs):
-                before, current[0] = current[0], label
+                before = current[0]
+                inside = before.startswith("plan") and not label.startswith("plan")
+                current[0] = f"plan: {label}" if inside else label
                 try:
                     return function(*args, **kwargs)
                 finally:
@@ -195,10 +204,12 @@ def step_peaks(shape: str, workdir: Path | None, allocation: str) -> dict:
                                   seq_len=512, device="cpu", allocation=allocation)
         os.environ[CACHE_ENV] = str(root / "plans")
         compress(options, root / "out", progress=False)
-        return {"shape": shape, "allocation": allocation,
+        manifest = json.loads((root / "out" / MANIFEST).read_text())
+        return {"shape": shape, "allocation": allocation, "layers": layers,
+                "layer_budgets": manifest["allocation"]["layer_budgets"],
                 "layout": {k: v for k, v in spec.items() if k != "target_bytes"},
                 "steps": {label: dict(zip(("rss", "anon", "file"), peaks[label], strict=True))
-                          for label in ["other", *(s[2] for s in STEPS)] if label in peaks}}
+                          for label in sorted(peaks, key=lambda label: -peaks[label][0])}}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -230,19 +241,23 @@ def main() -> None:
                              "at a time")
     parser.add_argument("--steps", choices=SHAPES, default=None,
                         help="instead: peak RSS per step of one layer of SHAPE, sampled in process")
-    parser.add_argument("--build", nargs=2, metavar=("FOLDER", "SHAPE"), help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=1, help="with --steps: decoder layers of the checkpoint")
+    parser.add_argument("--build", nargs=3, metavar=("FOLDER", "SHAPE", "LAYERS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build:  # the child of --steps
         shape = SHAPES[args.build[1]]
-        build_checkpoint(Path(args.build[0]), 1, shape["hidden"], shape["intermediate"], shape["heads"],
-                         shape["kv_heads"])
+        build_checkpoint(Path(args.build[0]), int(args.build[2]), shape["hidden"], shape["intermediate"],
+                         shape["heads"], shape["kv_heads"])
         return
     allocation = args.allocation or default_allocation(args.method)
     if args.steps:
-        found = step_peaks(args.steps, args.workdir, allocation)
+        if args.layers < 1:
+            parser.error(f"--layers {args.layers}: give at least 1")
+        found = step_peaks(args.steps, args.workdir, allocation, args.layers)
         print(json.dumps(found, indent=2))
         out = args.out.with_name("memory_steps.json")
-        key = f"{args.steps}, {allocation}"  # the older entry is keyed by the shape alone
+        key = f"{args.steps}, {allocation}" + (f", {args.layers} layers" if args.layers > 1 else "")
+        # the oldest entry is keyed by the shape alone
         out.write_text(json.dumps({**json.loads(out.read_text()), key: found} if out.is_file()
                                   else {key: found}, indent=2))
         return

@@ -70,6 +70,11 @@ CACHE_ENV = "FTC_CACHE_DIR"
 PLAN_LOGIT_POSITIONS = 128
 """Positions whose log-probabilities the layer list holds at once (`_log_probs`): 25 MB of a 49k
 vocabulary in float32, against 100 MB for a whole sequence of 512."""
+PLAN_PROBE_BATCH = 1
+"""Sequences the layer list runs through a decoder layer at once (`_through`, the probe's
+propagation): one, as `_log_probs` reads them. The whole probe (4 x 512 tokens) at once held its
+MLP activations, three `tokens x intermediate` float32 buffers (350 MB on a 7B shape), and set the
+list's peak when it streamed the later layers in (benchmarks/results/memory.md)."""
 SCALE_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "mlp", "up": "mlp", "down": "down"}
 """The input statistic each projection is scaled by in ASVD: its own input's."""
 
@@ -661,7 +666,7 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
     materialize_embedding_rows(model, weights, calib, device)
     head = _head_modules(model, layout)
     stream = layer_inputs(model, layout, calib, batch_size, device)
-    probe = layer_inputs(model, layout, ids, batch_size, device)
+    probe = layer_inputs(model, layout, ids, PLAN_PROBE_BATCH, device)
     original = _through(model, layout, weights, probe, probe.hidden, 0, device, compute_dtype, resident=False)
     with _materialized(model, head, weights, device, compute_dtype):
         reference = _Spilled(_log_probs(model, layout, ids, original, device))

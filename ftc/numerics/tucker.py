@@ -500,24 +500,37 @@ def prune_refit(
     Returns `(U1, U2, G, mask)`. If the gradual path ends worse than the one-shot top-K core it
     started from (refitted on its own support), that one is returned instead, so the result is
     never worse than the allocator's prediction.
+
+    One candidate is resident at a time: the one-shot one is refitted first, only its error kept,
+    and refitted again (the same computation, the same result) in the rare case it wins. Both side
+    by side, with the first step's projected core, were a 7B-shaped layer's peak at high keep
+    ratios (benchmarks/results/memory.md).
     """
     core = project_core(tensor, u1, u2)
     total = core.numel()
     if kept >= total:
         mask = torch.ones_like(core, dtype=torch.bool)
         return (*refit(tensor, u1, u2, mask, refits), mask)
-    oneshot_mask = top_k_mask(core, kept)
-    g1, g2 = u1, u2
-    for t in range(1, steps + 1):
-        kept_t = max(kept, round(total * (kept / total) ** (t / steps)))
+    schedule = [max(kept, round(total * (kept / total) ** (t / steps))) for t in range(1, steps + 1)]
+    oneshot_mask, mask = top_k_mask(core, kept), top_k_mask(core, schedule[0])
+    del core  # every refit builds its own
+
+    def oneshot() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        # the one-shot candidate only has to bound the result by the allocator's prediction: a single
+        # refit pass already does (it never increases the error), the rest would rarely change the pick
+        return refit(tensor, u1, u2, oneshot_mask, min(refits, 1))
+
+    o1, o2, ocore = oneshot()
+    bound = tucker_error(tensor, o1, ocore, o2)
+    del o1, o2, ocore
+    g1, g2, core = refit(tensor, u1, u2, mask, refits)
+    for kept_t in schedule[1:]:
         mask = top_k_mask(core, kept_t)
         del core  # spent: the refit builds its own
         g1, g2, core = refit(tensor, g1, g2, mask, refits)
-    # the one-shot candidate only has to bound the result by the allocator's prediction: a single
-    # refit pass already does (it never increases the error), the rest would rarely change the pick
-    o1, o2, ocore = refit(tensor, u1, u2, oneshot_mask, min(refits, 1))
-    if clearly_below(tucker_error(tensor, o1, ocore, o2), tucker_error(tensor, g1, core, g2)):
-        return o1, o2, ocore, oneshot_mask
+    if clearly_below(bound, tucker_error(tensor, g1, core, g2)):
+        del g1, g2, core, mask
+        return (*oneshot(), oneshot_mask)
     return g1, g2, core, mask
 
 

@@ -200,8 +200,10 @@ def test_the_survey_frees_the_whitening_before_it_factorises(part, monkeypatch):
 
 def test_the_streamed_list_holds_one_layer_and_no_head_while_a_layer_is_compressed(monkeypatch):
     """The list's memory bound (§15, `benchmarks/memory.py`): at most one decoder layer materialised at
-    any time, the layer's MLP still unloaded when its compression starts, and the output head
-    materialised only outside the compressions (on a 7B shape each of them is 0.4 GB of the peak)."""
+    any time, the layer's MLP still unloaded when its compression starts, the output head
+    materialised only outside the compressions (on a 7B shape each of them is 0.4 GB of the peak),
+    and the probe's sequences run through a layer `PLAN_PROBE_BATCH` at a time (their MLP
+    activations, 350 MB on a 7B shape for all four at once)."""
     from ftc.compression import pipeline
     from ftc.models.weights import ModuleSource
 
@@ -225,13 +227,21 @@ def test_the_streamed_list_holds_one_layer_and_no_head_while_a_layer_is_compress
         seen.append((set(resident), get_module(layer, layout.down).weight.device.type))
         return compress_layer(layer, *args, **kwargs)
 
+    through, probe_rows = sensitivity._through, []
+
+    def tracked_through(model, layout, weights, probe, hidden, *args, **kwargs):
+        probe_rows.extend(h.shape[0] for h in hidden)
+        return through(model, layout, weights, probe, hidden, *args, **kwargs)
+
     monkeypatch.setattr(sensitivity, "materialize", tracked_materialize)
     monkeypatch.setattr(sensitivity, "release", tracked_release)
+    monkeypatch.setattr(sensitivity, "_through", tracked_through)
     monkeypatch.setattr(pipeline, "compress_layer", tracked_compress)
     planner = make_method("ftc", 0.4, torch.float32, allocation="sensitivity", scope="model")
     sensitivity.layer_gains(planner, ModuleSource(model), layout, _calibration(model), device=CPU, batch_size=BATCH,
                             progress=False)
     assert most_layers == 1
+    assert set(probe_rows) == {sensitivity.PLAN_PROBE_BATCH} and sensitivity.PLAN_PROBE_BATCH < BATCH
     assert len(seen) == 3
     for index, (names, mlp_device) in enumerate(seen):
         assert names == {f"{layout.layers_path}.{index}"}, names  # no head, no other layer
