@@ -240,10 +240,12 @@ def main() -> None:
                         help="keep the rows of --out for other (shape, layers, allocation) cases: shapes run one "
                              "at a time")
     parser.add_argument("--steps", choices=SHAPES, default=None,
-                        help="instead: peak RSS per step of one layer of SHAPE, sampled in process")
+                        help="instead: peak RSS per step of compressing SHAPE (--layers of it), sampled in process")
     parser.add_argument("--layers", type=int, default=1, help="with --steps: decoder layers of the checkpoint")
     parser.add_argument("--build", nargs=3, metavar=("FOLDER", "SHAPE", "LAYERS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.layers != 1 and not args.steps:
+        parser.error("--layers applies to --steps only; give the depths of --cases as SHAPE:DEPTH")
     if args.build:  # the child of --steps
         shape = SHAPES[args.build[1]]
         build_checkpoint(Path(args.build[0]), int(args.build[2]), shape["hidden"], shape["intermediate"],
