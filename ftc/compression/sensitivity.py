@@ -594,7 +594,7 @@ def _log_probs(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, fin
     list's peak on a 7B shape (`benchmarks/results/memory.md`). The same values: a position's
     log-probabilities depend on its own logits only."""
     layers, length = len(decoder_layers(model, layout)), ids.shape[1]
-    for sequence, hidden in zip(ids, torch.cat(final), strict=True):
+    for sequence, hidden in zip(ids, (row for batch in final for row in batch), strict=True):  # no joined copy
         for start in range(0, length, PLAN_LOGIT_POSITIONS):
             positions = torch.arange(start, min(start + PLAN_LOGIT_POSITIONS, length))
             for _, logits in _logits_from_layer(model, layout, layers, sequence[None], 1, [hidden[None]], device,
