@@ -611,7 +611,9 @@ class FTC(Method):
         w_o = weights["o"].to(WORK_DTYPE)
         o_gram = None if "no_whiten" in self.ablations else ctx.teacher.gram
         _, o_white = guarded_whitened_svd(w_o, o_gram, budget_rank(*w_o.shape, self.keep_ratio))
-        spectrum = torch.linalg.svdvals(o_white.apply(w_o))
+        white = o_white.apply(w_o)
+        o_white.release()
+        spectrum = torch.linalg.svdvals(white)
         branch = float((w_o * (ctx.teacher.gram @ w_o)).sum())
         return {"qkv_costs": costs, "qkv_errors": errors, "o_spectrum": spectrum.tolist(),
                 "effect": branch / max(residual, 1e-30)}

@@ -137,9 +137,8 @@ def tucker_curve(tensor: torch.Tensor, whitening: Whitening, budgets: list[int],
     """
     _, d, dh = tensor.shape
     balanced, _ = whiten_and_balance(tensor, whitening, balance, weights)
-    # a caller that passes the whitening as a temporary (the layer list's survey, §15) frees its
-    # Cholesky factor here: at width 4096 it is 134 MB beside the full HOSVD, the survey's peak
-    del whitening
+    # the Cholesky factor, 134 MB at width 4096, would sit beside the full HOSVD, the survey's peak
+    whitening.release()
     total = squared_norm(balanced) or 1.0
     _, _, core = hosvd(balanced, consume=True)  # the core over the spent balanced tensor: 201 MB at 7B
     del balanced

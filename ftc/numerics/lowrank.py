@@ -13,7 +13,7 @@ from .metric import (
     ActivationError,
     Approximation,
     Whitening,
-    damped_factors,
+    damped_whitenings,
     guarded_fit,
     pivot_signs,
     top_eigenpairs,
@@ -60,7 +60,9 @@ def truncated_svd(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
 
 def whitened_svd(w: torch.Tensor, whitening: Whitening, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Activation-weighted truncated SVD: SVD of `R^T W`, then `A = R^{-T} A~` (§3, §8; SVD-LLM)."""
-    a, b = truncated_svd(whitening.apply(w.to(WORK_DTYPE)), rank)
+    white = whitening.apply(w.to(WORK_DTYPE))
+    whitening.release()  # formed again for `unapply`: not resident beside the SVD
+    a, b = truncated_svd(white, rank)
     return whitening.unapply(a), b
 
 
@@ -108,10 +110,10 @@ def calibrated_wo(
     is, the pretrained weight is kept and `eps` is None. The caller forms `lhs`, in place where
     it owns the Grams (FTC's `o`), so no d x d sum is allocated beside them.
     """
-    for chol, used in damped_factors(lhs, eps):
-        solution = torch.cholesky_solve(rhs, chol)
+    for level in damped_whitenings(lhs, eps):
+        solution = torch.cholesky_solve(rhs, level.chol)
         if bool(torch.isfinite(solution).all()):
-            return solution, used
+            return solution, level.eps
     return w_o.to(WORK_DTYPE), None
 
 

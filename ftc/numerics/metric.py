@@ -289,33 +289,39 @@ def damp(gram: torch.Tensor, eps: float) -> torch.Tensor:
     return damped
 
 
-def damped_factors(
+def damped_factor(gram: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`R` with `damp(C, eps) = R R^T`, or None where the factorisation fails or is not finite (§3).
+
+    Factorised in place: one d x d float64 buffer, not the damped copy and its factor. A function of
+    `C` and `eps` alone, so factorising again gives the same bits (`Whitening.release`).
+    """
+    damped = damp(gram.to(WORK_DTYPE), eps)
+    info = torch.empty((), dtype=torch.int32, device=gram.device)
+    chol, info = torch.linalg.cholesky_ex(damped, out=(damped, info))
+    if int(info) == 0 and bool(torch.isfinite(chol).all()):
+        return chol
+    return None
+
+
+def damped_whitenings(
     gram: torch.Tensor, eps: float | None = None, max_eps: float | None = None
-) -> Iterator[tuple[torch.Tensor, float]]:
-    """`(R, eps)` with `damp(C, eps) = R R^T` for `eps`, `10 eps`, ... up to `max_eps` (§3).
+) -> Iterator[Whitening]:
+    """The whitening of `damp(C, eps)` for `eps`, `10 eps`, ... up to `max_eps` (§3).
 
     Damping levels whose factorisation fails or is not finite are skipped; the consumer stops
-    at the first level whose *outcome* it accepts (`guarded_cholesky`, `guarded_fit`). `eps` and
-    `max_eps` default to `DEFAULT_EPS` and `MAX_EPS` as they are when called.
+    at the first level whose *outcome* it accepts (`Whitening.from_gram`, `guarded_fit`). Each
+    whitening holds the only reference to its factor, so `release` frees it while the generator
+    waits. `eps` and `max_eps` default to `DEFAULT_EPS` and `MAX_EPS` as they are when called.
     """
     eps = DEFAULT_EPS if eps is None else eps
     max_eps = MAX_EPS if max_eps is None else max_eps
-    gram = gram.to(WORK_DTYPE)
-    info = torch.empty((), dtype=torch.int32, device=gram.device)
     while eps <= max_eps * (1 + 1e-9):
-        damped = damp(gram, eps)
-        # factorised in place: one d x d float64 buffer per level, not the damped copy and its factor
-        chol, info = torch.linalg.cholesky_ex(damped, out=(damped, info))
-        if int(info) == 0 and bool(torch.isfinite(chol).all()):
-            yield chol, eps
+        chol = damped_factor(gram, eps)
+        if chol is not None:
+            whitening = Whitening(chol, eps, gram)
+            del chol
+            yield whitening
         eps *= 10.0
-
-
-def guarded_cholesky(
-    gram: torch.Tensor, eps: float | None = None, max_eps: float | None = None
-) -> tuple[torch.Tensor | None, float | None]:
-    """The least-damped finite Cholesky factor, `(R, eps_used)`, or `(None, None)` if none is."""
-    return next(damped_factors(gram, eps, max_eps), (None, None))
 
 
 T = TypeVar("T")
@@ -343,30 +349,47 @@ def guarded_fit(
     # first, while no factor or whitened fit is resident: at width 4096 the reference's SVD
     # beside a Cholesky factor would set the W_O step's memory peak (benchmarks/results/memory.md)
     bound = reference()
-    for chol, used in damped_factors(gram, eps, max_eps):
-        whitening = Whitening(chol, used)
+    for whitening in damped_whitenings(gram, eps, max_eps):
         result = fit(whitening)
         measured = error(result)
-        if not math.isfinite(measured):
-            continue
-        if not math.isfinite(bound) or measured <= bound * (1 + GUARD_TOLERANCE):
+        if math.isfinite(measured) and (not math.isfinite(bound) or measured <= bound * (1 + GUARD_TOLERANCE)):
+            whitening.release()
             return result, whitening
+        whitening.release()  # before the next level's factor is formed
     return fit(identity), identity
 
 
-@dataclass(frozen=True)
 class Whitening:
-    """The mode-1 change of basis `W~ = R^T W` and its inverse `U1_hat = R^{-T} U1` (§3)."""
+    """The mode-1 change of basis `W~ = R^T W` and its inverse `U1_hat = R^{-T} U1`, with
+    `damp(C, eps) = R R^T` (§3); the identity where `chol` is None.
 
-    chol: torch.Tensor | None
-    eps: float | None
+    A whitening formed from a Gram (`gram`) may `release` its factor between uses: the next use
+    factorises `damp(C, eps)` again, to the same bits (`damped_factor`). A fit whitens its tensor,
+    then factorises and refits it for most of its time and maps `U1` back only at the end; without
+    the release the factor is resident throughout, 134 MB at width 4096 beside a 7B-shaped Q/K/V
+    refit's or `W_O` SVD's peak (benchmarks/results/memory.md), for one more Cholesky factorisation.
+    """
+
+    def __init__(self, chol: torch.Tensor | None, eps: float | None, gram: torch.Tensor | None = None) -> None:
+        self._chol, self.eps, self._gram = chol, eps, gram
 
     @classmethod
     def from_gram(cls, gram: torch.Tensor | None, eps: float | None = None) -> Whitening:
+        """The least-damped finite whitening of `gram` (the identity if `gram` is None or none is)."""
         if gram is None:
             return cls(None, None)
-        chol, used = guarded_cholesky(gram, eps)
-        return cls(chol, used)
+        return next(damped_whitenings(gram, eps), cls(None, None))
+
+    @property
+    def chol(self) -> torch.Tensor | None:
+        if self._chol is None and self._gram is not None and self.eps is not None:
+            self._chol = damped_factor(self._gram, self.eps)
+        return self._chol
+
+    def release(self) -> None:
+        """Free the factor until the next use; no-op for a whitening not formed from a Gram."""
+        if self._gram is not None:
+            self._chol = None
 
     def apply(self, w: torch.Tensor) -> torch.Tensor:
         """`R^T W` for `W` of shape `(d, ...)`."""

@@ -438,7 +438,9 @@ def polar(m: torch.Tensor) -> torch.Tensor:
     if values[0] <= POLAR_MIN_EIGENVALUE * values[-1].clamp_min(torch.finfo(WORK_DTYPE).tiny):
         p, _, qh = torch.linalg.svd(wide, full_matrices=False)
         return (p @ qh).to(m.dtype)
-    return (wide @ ((vectors * values.rsqrt()) @ vectors.T)).to(m.dtype)
+    inverse_root = (vectors * values.rsqrt()) @ vectors.T
+    del values, vectors  # r x r: not resident beside the d x r product
+    return (wide @ inverse_root).to(m.dtype)
 
 
 def refit(
@@ -457,7 +459,7 @@ def refit(
     core = tensor.new_empty(slices, r1, r2)
     u1_target = _core_pass(tensor, u1, u2, mask, core, iterations > 0)
     for i in range(iterations):
-        u1 = polar(u1_target)
+        u1, u1_target = polar(u1_target), None  # the d x r1 target freed before the next pass forms its own
         if u2 is not None:  # the identity (§17) is not refitted
             u2 = polar(_u2_target(tensor, u1, core))
         u1_target = _core_pass(tensor, u1, u2, mask, core, i < iterations - 1)
@@ -619,6 +621,7 @@ def compress_tensor(
     """
     slices, d, dh = tensor.shape
     balanced, norms = whiten_and_balance(tensor, whitening, balance, weights)
+    whitening.release()  # formed again for `unapply` at the end: not resident beside the refits
     total = squared_norm(balanced)
     ranks = hosvd_ranks(balanced)
     u1, u2, core = hosvd(balanced, reachable_r1(budget, d, dh), mode2)

@@ -167,7 +167,7 @@ def test_the_survey_frees_the_whitening_before_it_factorises(part, monkeypatch):
 
     def tracked(cls, *args, **kwargs):
         whitening = from_gram(cls, *args, **kwargs)
-        made.append(weakref.ref(whitening))
+        made.append(weakref.ref(whitening.chol))  # the factor, released or dropped with its whitening
         return whitening
 
     def checked(factorise):

@@ -14,7 +14,7 @@ from ftc.numerics.lowrank import (
     weighted_error,
     whitened_svd,
 )
-from ftc.numerics.metric import Moments, Whitening, damp, guarded_cholesky, pivot_signs, top_eigenpairs
+from ftc.numerics.metric import Moments, Whitening, damp, pivot_signs, top_eigenpairs
 
 torch.manual_seed(0)
 D = torch.float64
@@ -98,10 +98,11 @@ def test_whitening_by_columns_is_the_whole_product_in_the_work_dtype():
 def test_guard_escalates_damping_for_a_singular_gram_and_records_it():
     # an indefinite Gram (rounding can make one) needs eps * mean(diag) > 0.01: eps = 0.1
     gram = torch.diag(torch.tensor([1.0, 1.0, -0.01], dtype=D))
-    chol, eps = guarded_cholesky(gram, eps=1e-4)
-    assert chol is not None and eps == pytest.approx(0.1)
-    torch.testing.assert_close(chol @ chol.T, damp(gram, eps))
-    assert guarded_cholesky(torch.full((4, 4), float("nan"), dtype=D))[0] is None
+    white = Whitening.from_gram(gram, eps=1e-4)
+    assert white.chol is not None and white.eps == pytest.approx(0.1)
+    torch.testing.assert_close(white.chol @ white.chol.T, damp(gram, white.eps))
+    nan = Whitening.from_gram(torch.full((4, 4), float("nan"), dtype=D))
+    assert (nan.chol, nan.eps) == (None, None)
 
 
 def test_truncated_svd_reaches_the_eckart_young_error():

@@ -6,11 +6,13 @@ batched products summed over slices, float64 Grams) and the way the library comp
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from ftc.numerics.lowrank import weighted_error
-from ftc.numerics.metric import ActivationError, Moments, Whitening, damp, damped_factors
+from ftc.numerics.metric import ActivationError, Moments, Whitening, damp, damped_whitenings
 from ftc.numerics.tucker import (
     EnergyTable,
     TuckerFactors,
@@ -173,10 +175,23 @@ def test_blockwise_reconstruction_error_equals_the_whole_tensor_weighted_error(b
 def test_in_place_damped_factors_equal_the_cholesky_of_the_damped_gram():
     x = torch.randn(30, 40, dtype=D, generator=torch.Generator().manual_seed(7))
     gram = x.T @ x / 30  # rank 30 of 40: the least damping already factorises, every level does
-    levels = list(damped_factors(gram, 1e-4, 1e-2))
-    assert [eps for _, eps in levels] == pytest.approx([1e-4, 1e-3, 1e-2])
-    for chol, eps in levels:
-        torch.testing.assert_close(chol, torch.linalg.cholesky(damp(gram, eps)), rtol=0, atol=0)
+    levels = list(damped_whitenings(gram, 1e-4, 1e-2))
+    assert [level.eps for level in levels] == pytest.approx([1e-4, 1e-3, 1e-2])
+    for level in levels:
+        torch.testing.assert_close(level.chol, torch.linalg.cholesky(damp(gram, level.eps)), rtol=0, atol=0)
+
+
+def test_a_released_factor_is_freed_and_formed_again_to_the_same_bits():
+    x = torch.randn(200, 40, dtype=D, generator=torch.Generator().manual_seed(8))
+    white = Whitening.from_gram(x.T @ x / 200)
+    first = white.chol.clone()
+    held = weakref.ref(white.chol)
+    white.release()
+    assert held() is None  # nothing else (the generator that formed it) keeps the buffer alive
+    assert torch.equal(white.chol, first)
+    identity = Whitening(None, None)
+    identity.release()
+    assert identity.chol is None
 
 
 @pytest.mark.parametrize("dim", [48, 50, 3])  # whole, ragged and single-column Gram blocks

@@ -50,8 +50,8 @@ def test_choices_are_the_defaults_the_code_runs_with():
     """The manifest's `choices` must equal the defaults of the functions that use them."""
     ftc = make_method("ftc", 0.5, torch.float16).choices()
     # eps and max_eps are read from the module when called (None defaults), so a tuning run that sets them is seen
-    assert default(metric.guarded_cholesky, "eps") is default(metric.Whitening.from_gram, "eps") is None
-    assert default(metric.guarded_cholesky, "max_eps") is None
+    assert default(metric.damped_whitenings, "eps") is default(metric.Whitening.from_gram, "eps") is None
+    assert default(metric.damped_whitenings, "max_eps") is None
     assert (ftc["eps"], ftc["max_eps"]) == (metric.DEFAULT_EPS, metric.MAX_EPS)
     assert ftc["guard_tolerance"] == metric.GUARD_TOLERANCE
     assert ftc["prune_steps"] == default(tucker.compress_tensor, "steps") == default(tucker.prune_refit, "steps")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import pytest
 import torch
 
+from ftc.numerics import tucker
 from ftc.numerics.metric import Whitening
 from ftc.numerics.tucker import (
     EnergyTable,
@@ -153,6 +155,30 @@ def test_error_falls_as_the_keep_ratio_rises(balance):
         assert report.error_refit <= report.error_allocated + 1e-12
         errors.append(report.error_refit)
     assert all(b < a for a, b in itertools.pairwise(errors))
+
+
+def test_the_whitening_factor_is_not_resident_during_the_refits_and_the_fit_is_unchanged(monkeypatch):
+    """The fit releases the Cholesky factor after whitening and forms it again to map `U1` back
+    (ftc-method.md §3): the same factors to the bit as a fit handed a factor it cannot release."""
+    t = structured_tensor(slices=9, d=48, dh=8)
+    x = torch.randn(300, 48, dtype=D, generator=torch.Generator().manual_seed(4)) * torch.linspace(2, 0.1, 48, dtype=D)
+    white = Whitening.from_gram(x.T @ x / 300)
+    pinned = Whitening(white.chol.clone(), white.eps)  # no Gram: `release` keeps it
+    held, resident = [], []
+    real = tucker.prune_refit
+
+    def watched(*args, **kwargs):
+        resident.append(held[-1]() is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tucker, "prune_refit", watched)
+    held.append(weakref.ref(white.chol))
+    factors, _ = compress_tensor(t, white, int(0.3 * t.numel()))
+    held.append(weakref.ref(pinned.chol))
+    expected, _ = compress_tensor(t, pinned, int(0.3 * t.numel()))
+    assert resident == [False, True]  # the watch itself sees a factor held
+    for name in ("u1", "u2", "core"):
+        assert torch.equal(getattr(factors, name), getattr(expected, name)), name
 
 
 def test_exact_low_rank_structure_is_recovered():
