@@ -351,11 +351,12 @@ def guarded_fit(
     bound = reference()
     for whitening in damped_whitenings(gram, eps, max_eps):
         result = fit(whitening)
+        # the error is measured in the Gram's metric, not the factor's: freed before it (and before
+        # the next level's factor is formed)
+        whitening.release()
         measured = error(result)
         if math.isfinite(measured) and (not math.isfinite(bound) or measured <= bound * (1 + GUARD_TOLERANCE)):
-            whitening.release()
             return result, whitening
-        whitening.release()  # before the next level's factor is formed
     return fit(identity), identity
 
 
@@ -384,6 +385,9 @@ class Whitening:
     def chol(self) -> torch.Tensor | None:
         if self._chol is None and self._gram is not None and self.eps is not None:
             self._chol = damped_factor(self._gram, self.eps)
+            if self._chol is None:  # formed once from the same Gram: never the identity in silence
+                raise RuntimeError(f"the Cholesky factor of the Gram damped by eps={self.eps} failed when formed "
+                                   "again; was the Gram modified after the whitening was formed?")
         return self._chol
 
     def release(self) -> None:

@@ -227,3 +227,13 @@ def test_blockwise_16bit_linear_equals_the_float32_linear(monkeypatch):
         linear.__class__ = ftc.models.weights.BlockwiseLinear
         torch.testing.assert_close(linear(x), reference(x, half.float(), linear.bias), rtol=1e-6, atol=1e-6)
         assert linear.weight.dtype == dtype
+
+
+def test_a_factor_that_cannot_be_formed_again_is_an_error_not_the_identity():
+    x = torch.randn(200, 6, dtype=D, generator=torch.Generator().manual_seed(9))
+    gram = x.T @ x / 200
+    white = Whitening.from_gram(gram)
+    white.release()
+    gram.fill_(float("nan"))  # the Gram the whitening was formed from, modified after
+    with pytest.raises(RuntimeError, match="modified"):
+        white.apply(torch.ones(6, 2, dtype=D))
