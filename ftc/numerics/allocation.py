@@ -136,9 +136,7 @@ def tucker_curve(tensor: torch.Tensor, whitening: Whitening, budgets: list[int],
     every budget.
     """
     _, d, dh = tensor.shape
-    balanced, _ = whiten_and_balance(tensor, whitening, balance, weights)
-    # the Cholesky factor, 134 MB at width 4096, would sit beside the full HOSVD, the survey's peak
-    whitening.release()
+    balanced, _ = whiten_and_balance(tensor, whitening, balance, weights)  # releases the factor
     total = squared_norm(balanced) or 1.0
     _, _, core = hosvd(balanced, consume=True)  # the core over the spent balanced tensor: 201 MB at 7B
     del balanced

@@ -278,7 +278,6 @@ def compress_cp(
     """
     slices, d, dh = tensor.shape
     balanced, norms = whiten_and_balance(tensor, whitening, balance, weights)
-    whitening.release()  # formed again for `unapply` at the end: not resident beside the ALS
     rank = min(cp_rank(budget, d, dh, slices), min(d, slices * dh) * min(dh, slices * d))
     fit = cp_als(balanced, rank, max_sweeps=max_sweeps, tolerance=tolerance)
     a, b, c = fit.a, fit.b, fit.c
