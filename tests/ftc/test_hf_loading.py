@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from ftc.runtime.artifact import load_artifact
 from ftc.runtime.hf import modeling_ftc
-from ftc.runtime.hf.modeling_ftc import FactorGroup, TuckerGroup, choose_form, form_costs
+from ftc.runtime.hf.modeling_ftc import FactorGroup, choose_form, form_costs
 from tests.support.tiny import LAYOUTS
 
 IDS = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(7))
@@ -83,17 +83,6 @@ def test_dtype_and_device_map_behave_as_for_the_base_model(tiny_artifact):
     assert model.device.type == "cpu"
     full = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
     assert _rel(_logits(model), _logits(full)) < 5e-2  # bfloat16 rounding only
-
-
-def test_qkv_of_a_tucker_group_share_one_computation_per_forward(tiny_artifact):
-    model, _, _ = load_artifact(tiny_artifact("gqa"))
-    calls: dict[int, int] = {}
-    groups = [m for m in model.modules() if isinstance(m, TuckerGroup)]
-    assert groups and all(g.members == ("q", "k", "v") for g in groups)
-    for g in groups:
-        g.register_forward_hook(lambda module, *_: calls.__setitem__(id(module), calls.get(id(module), 0) + 1))
-    _logits(model)
-    assert sorted(calls.values()) == [1] * len(groups)
 
 
 def _held(group: FactorGroup) -> int:

@@ -16,6 +16,8 @@ from ftc.numerics.tucker import TuckerFactors
 from ftc.options import InputError
 from ftc.runtime.artifact import load_artifact
 from ftc.runtime.hf.modeling_ftc import (
+    SPLIT_FORMS,
+    SPLIT_ROWS,
     FactorGroup,
     FormCost,
     FusedProjection,
@@ -61,8 +63,9 @@ def test_costs_are_counted_from_the_shapes():
     assert costs["stored"].values == held_values(spec)
     assert costs["factored"] == FormCost(576 * 190 + 15 * 190 * 64 + 15 * 64 * 64, 576 * 190 + 15 * 190 * 64 + 64 * 64,
                                          3)
-    assert costs["merged"] == FormCost(576 * 190 + 190 * 15 * 64, 576 * 190 + 190 * 15 * 64, 2)
-    assert costs["dense"] == FormCost(576 * 960, 576 * 960, 1)
+    # the split forms: the latent, then one product per member (q, k, v) over its own columns
+    assert costs["merged"] == FormCost(576 * 190 + 190 * 15 * 64, 576 * 190 + 190 * 15 * 64, 1 + 3)
+    assert costs["dense"] == FormCost(576 * 960, 576 * 960, 3)
     assert costs["merged"].per_token == 2 * (576 * 190 + 190 * 960)
     # kv_repeat: K/V stored twice each (S = 4 + 2 * 2 * 2), output slices averaged in the runtime forms
     repeated = form_costs(_tucker_spec(32, 6, 4, 8, [4, 2, 2], kv_repeat=2))
@@ -202,7 +205,7 @@ class _Calls(TorchFunctionMode):
 @pytest.mark.parametrize("name", sorted(GROUPS))
 def test_the_speed_forms_convert_and_scatter_nothing_per_forward(name):
     spec, tensors, _ = GROUPS[name]
-    x = torch.randn(2, 16, dtype=torch.float32)
+    x = torch.randn(SPLIT_ROWS, 16, dtype=torch.float32)  # a prefill's rows: the split forms split
     stored = build_group(spec, tensors, torch.float32)
     with _Calls() as calls, torch.no_grad():
         stored(x)
@@ -366,13 +369,52 @@ def test_the_lm_eval_backend_runs_the_same_runtime(tiny_artifact):
         FTCLM(pretrained=folder, device="cpu", runtime="fast")
 
 
+class _Uses(TorchFunctionMode):
+    """How often each watched tensor is an argument of a torch call inside the block."""
+
+    def __init__(self, watched: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.names = {id(t): name for name, t in watched.items()}
+        self.counts = dict.fromkeys(watched, 0)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for arg in args:
+            if id(arg) in self.names:
+                self.counts[self.names[id(arg)]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("inference", [False, True])
 @pytest.mark.parametrize("layout", ["gqa", "phi3"])
-def test_a_groups_members_share_one_forward_in_inference_mode_too(layout, tiny_artifact):
-    """Inference tensors keep no version counter; the members still take the first call's output."""
+def test_a_groups_members_share_one_forward_in_inference_mode_too(layout, inference, tiny_artifact):
+    """The members take the work they share (the latent `x @ U1`, or the whole output) from the
+    first member's call: the first factor is applied once per group and forward, not once per
+    member; also in inference mode, whose tensors keep no version counter."""
     model, _, _ = load_artifact(tiny_artifact(layout))
-    calls: list[str] = []
-    for group in (m for m in model.modules() if isinstance(m, FactorGroup)):
-        group.register_forward_hook(lambda module, *_: calls.append("/".join(module.members)))
-    with torch.inference_mode():
+    groups = {f"{name}.{group.first}": group for name, group in model.named_modules()
+              if isinstance(group, FactorGroup) and group.form != "dense" and not group.single}
+    assert {g.form for g in groups.values()} == {"merged"}  # the split form's own sharing is what runs
+    mode = torch.inference_mode() if inference else torch.no_grad()
+    with _Uses({name: getattr(g, g.first) for name, g in groups.items()}) as uses, mode:
         model(IDS)
-    assert sorted(calls) == sorted("/".join(r["proj"]) for r in model.ftc_forms())
+    assert uses.counts == dict.fromkeys(groups, 1)
+
+
+@pytest.mark.parametrize("rows", [1, SPLIT_ROWS - 1, SPLIT_ROWS])
+@pytest.mark.parametrize("name", [n for n in sorted(GROUPS) if len(GROUPS[n][0]["proj"]) > 1])
+def test_split_forms_give_each_member_its_own_contiguous_columns(name, rows):
+    """From `SPLIT_ROWS` rows on, `merged` and `dense` multiply each member's own columns: contiguous
+    outputs equal to the columns of the group's whole output; the other forms, and every form at
+    fewer rows (a decoding step), hand out views of that output."""
+    spec, tensors, _ = GROUPS[name]
+    x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(4), dtype=D)
+    for form in form_costs(spec):
+        group = build_group(spec, tensors, D)
+        group.use_form(form)
+        with torch.no_grad():
+            whole = group(x)
+            outputs = {proj: module(x) for proj, module in projections(group, {}).items()}
+        for (proj, y), (start, stop) in zip(outputs.items(), group.column_ranges().values(), strict=True):
+            torch.testing.assert_close(y, whole[..., start:stop], rtol=1e-12, atol=1e-12)
+            own_rows = y.stride(-2) == y.shape[-1]  # a view of the whole output strides over all its columns
+            assert own_rows == (form in SPLIT_FORMS and rows >= SPLIT_ROWS), (form, proj)

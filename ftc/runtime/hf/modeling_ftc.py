@@ -40,6 +40,7 @@ wherever transformers does; `ftc_runtime="memory"` there selects the stored form
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +69,9 @@ class FormCost:
 
     `macs`: multiply-adds per token. `values`: elements the form holds; every one is read once per
     forward, so at batch 1 (decoding) they are also what a token reads. `gemms`: matrix products
-    per forward. `rebuilt`: elements written at every forward before the first product (the
-    stored form's scatter of a sparse core, or the permuted copy of a dense one).
+    per forward, a split form's last one counted per member (`SPLIT_FORMS`, as a prefill runs it).
+    `rebuilt`: elements written at every forward before the first product (the stored form's
+    scatter of a sparse core, or the permuted copy of a dense one).
     """
 
     macs: int
@@ -87,6 +89,20 @@ class FormCost:
         for several slices (Tucker's `U2`, CP's `B`), which is cheap to hold and costly to apply.
         """
         return self.macs + self.values
+
+
+SPLIT_FORMS = ("merged", "dense")
+"""Forms whose last product is one matrix over every output column (`M`, `W`). From `SPLIT_ROWS`
+input rows on, each member of a group multiplies its own columns of that matrix (after the latent
+`merged` shares) and gets a contiguous output; the other forms apply a factor every slice shares
+last (`U2`, `B`) and hand out column views of the whole output, as the split forms do below
+`SPLIT_ROWS` rows. Why (ftc-method.md §9): on strided column views the attention's reshapes and the
+MLP's `act(gate) * up` run slower, which in a bfloat16 prefill outweighs the one GEMM saved; at one
+decoded token the extra product's call costs more than the views."""
+
+SPLIT_ROWS = 16
+"""Input rows (tokens in the batch) from which the split forms split: a prefill splits, a decoding
+step of batch 1 or 8 does not (measured on a SmolLM2-shaped gate/up block, ftc-method.md §9)."""
 
 
 def held_values(spec: dict) -> int:
@@ -112,30 +128,30 @@ def form_costs(spec: dict) -> dict[str, FormCost]:
         (inputs, rank), (_, outputs) = shapes["A"], shapes["B"]
         chain = FormCost(rank * (inputs + outputs), stored, 2)
         return {"stored": chain, "factored": chain, "dense": FormCost(inputs * outputs, inputs * outputs, 1)}
-    out_slices = sum(spec["heads"])
+    out_slices, members = sum(spec["heads"]), len(spec["proj"])
     if kind == "cp":
         (inputs, rank), (width, _), (slices, _) = shapes["A"], shapes["B"], shapes["C"]
         chain = FormCost(inputs * rank + slices * rank + slices * rank * width, stored, 2)
         merged = inputs * rank + rank * out_slices * width
-        return {"stored": chain, "factored": chain, "merged": FormCost(merged, merged, 2),
-                "dense": FormCost(inputs * out_slices * width, inputs * out_slices * width, 1)}
+        return {"stored": chain, "factored": chain, "merged": FormCost(merged, merged, 1 + members),
+                "dense": FormCost(inputs * out_slices * width, inputs * out_slices * width, members)}
     if kind != "tucker":
         raise ValueError(f"unknown group kind {kind!r}; expected tucker, cp or lowrank")
     slices, r1, r2 = spec["shape"]
     inputs = shapes["U1"][0]
-    dense = FormCost(inputs * out_slices * r2, inputs * out_slices * r2, 1)
+    dense = FormCost(inputs * out_slices * r2, inputs * out_slices * r2, members)
     if "U2" not in shapes:
         merged = inputs * r1 + r1 * out_slices * r2
         return {"stored": FormCost(inputs * r1 + slices * r1 * r2, stored, 2, slices * r1 * r2),
-                "merged": FormCost(merged, merged, 2), "dense": dense}
+                "merged": FormCost(merged, merged, 1 + members), "dense": dense}
     width = shapes["U2"][0]
     factored = inputs * r1 + out_slices * r1 * r2
     merged = inputs * r1 + r1 * out_slices * width
     return {
         "stored": FormCost(inputs * r1 + slices * r1 * r2 + slices * r2 * width, stored, 3, slices * r1 * r2),
         "factored": FormCost(factored + out_slices * r2 * width, factored + r2 * width, 3),
-        "merged": FormCost(merged, merged, 2),
-        "dense": FormCost(inputs * out_slices * width, inputs * out_slices * width, 1),
+        "merged": FormCost(merged, merged, 1 + members),
+        "dense": FormCost(inputs * out_slices * width, inputs * out_slices * width, members),
     }
 
 
@@ -208,14 +224,29 @@ class FactorGroup(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x)
 
-    def output_for(self, proj: str, x: torch.Tensor) -> torch.Tensor:
+    def output_for(self, proj: str, x: torch.Tensor, columns: tuple[int, int]) -> torch.Tensor:
+        """Member `proj`'s output columns `columns` for input `x`, the work the members share done
+        once: in a split form (`SPLIT_FORMS`) and from `SPLIT_ROWS` rows on, its own product after
+        the latent `merged` shares; otherwise a view of the whole output, which the first member's
+        call computes."""
+        start, stop = columns
+        if self.single or columns == (0, self.out_features):
+            return self(x)
+        if self.form not in SPLIT_FORMS or x.numel() < SPLIT_ROWS * x.shape[-1]:
+            return self._shared(proj, x, lambda: self(x))[..., start:stop]
+        if self.form == "dense":
+            return x @ self.W[:, start:stop]
+        return self._shared(proj, x, lambda: x @ getattr(self, self.first)) @ self.M[:, start:stop]
+
+    def _shared(self, proj: str, x: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`compute()` for the first member called on `x`, kept until every other member took it."""
         held = self._pending
         if held is not None and held[0] is x and held[1] == _version(x) and proj in held[2]:
             held[2].discard(proj)
             if not held[2]:
                 self._pending = None
             return held[3]
-        y = self(x)
+        y = compute()
         rest = set(self.members) - {proj}
         self._pending = (x, _version(x), rest, y) if rest else None
         return y
@@ -450,15 +481,11 @@ class GroupProjection(nn.Module):
         object.__setattr__(self, "group", group)
         self.proj = proj
         self.start, self.stop = columns
-        self.whole = self.start == 0 and self.stop == group.out_features
         self.in_features, self.out_features = group.in_features, self.stop - self.start
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group = self.group
-        y = group(x) if group.single else group.output_for(self.proj, x)
-        if not self.whole:
-            y = y[..., self.start : self.stop]
+        y = self.group.output_for(self.proj, x, (self.start, self.stop))
         return y if self.bias is None else y + self.bias
 
     def _apply(self, fn, recurse: bool = True):
