@@ -59,10 +59,15 @@ def truncated_svd(w: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def whitened_svd(w: torch.Tensor, whitening: Whitening, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activation-weighted truncated SVD: SVD of `R^T W`, then `A = R^{-T} A~` (§3, §8; SVD-LLM)."""
+    """Activation-weighted truncated SVD: SVD of `R^T W`, then `A = R^{-T} A~` (§3, §8; SVD-LLM).
+
+    The factor is released during the SVD and the whitened matrix before `unapply` forms the factor
+    again: at width 4096 each is 134 MB, and the two side by side set the list's `W_O` truncation
+    step (benchmarks/results/memory.md)."""
     white = whitening.apply(w.to(WORK_DTYPE))
     whitening.release()  # formed again for `unapply`: not resident beside the SVD
     a, b = truncated_svd(white, rank)
+    del white  # spent: not resident beside the factor `unapply` forms again
     return whitening.unapply(a), b
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
+from ftc.numerics import lowrank
 from ftc.numerics.lowrank import (
     anchored_rhs,
     budget_rank,
@@ -161,6 +164,28 @@ def test_whitened_svd_minimises_the_activation_weighted_error():
     torch.testing.assert_close(measured, tail, rtol=1e-6, atol=1e-12)
     plain_a, plain_b = truncated_svd(w, 5)
     assert weighted_error(w, a @ b, gram) < weighted_error(w, plain_a @ plain_b, gram)
+
+
+def test_whitened_svd_frees_the_whitened_matrix_before_forming_the_factor_again(monkeypatch):
+    x = _activations(d=20)
+    white = Whitening.from_gram(x.T @ x / x.shape[0], eps=1e-10)
+    expected = whitened_svd(torch.randn(20, 12, dtype=D, generator=torch.Generator().manual_seed(3)), white, 5)
+    whitened, alive = [], []
+    svd, unapply = lowrank.truncated_svd, Whitening.unapply
+
+    def tracked_svd(m, rank):
+        whitened.append(weakref.ref(m))
+        return svd(m, rank)
+
+    def tracked_unapply(self, u):
+        alive.append(whitened[-1]() is not None)
+        return unapply(self, u)
+
+    monkeypatch.setattr(lowrank, "truncated_svd", tracked_svd)
+    monkeypatch.setattr(Whitening, "unapply", tracked_unapply)
+    a, b = whitened_svd(torch.randn(20, 12, dtype=D, generator=torch.Generator().manual_seed(3)), white, 5)
+    assert alive == [False]
+    assert torch.equal(a, expected[0]) and torch.equal(b, expected[1])
 
 
 def test_scaled_svd_is_exact_at_full_rank_and_budget_rank_fits():
