@@ -62,8 +62,8 @@ def whitened_svd(w: torch.Tensor, whitening: Whitening, rank: int) -> tuple[torc
     """Activation-weighted truncated SVD: SVD of `R^T W`, then `A = R^{-T} A~` (§3, §8; SVD-LLM).
 
     The factor is released during the SVD and the whitened matrix before `unapply` forms the factor
-    again: at width 4096 each is 134 MB, and the two side by side set the list's `W_O` truncation
-    step (benchmarks/results/memory.md)."""
+    again, so the two are never resident side by side (134 MB each at width 4096, in the `W_O`
+    truncation steps of benchmarks/results/memory.md)."""
     white = whitening.apply(w.to(WORK_DTYPE))
     whitening.release()  # formed again for `unapply`: not resident beside the SVD
     a, b = truncated_svd(white, rank)

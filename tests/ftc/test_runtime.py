@@ -191,15 +191,22 @@ def test_a_group_holds_one_form_and_moves_off_the_stored_one_once():
 
 
 class _Calls(TorchFunctionMode):
-    """Names of the torch functions and tensor methods called inside the block."""
+    """Names of the torch functions and tensor methods called inside the block, and the ids of
+    the positional arguments of each call."""
 
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
+        self.args: list[set[int]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.names.append(getattr(func, "__name__", str(func)))
+        self.args.append({id(arg) for arg in args})
         return func(*args, **(kwargs or {}))
+
+    def uses(self, tensor: torch.Tensor) -> int:
+        """Calls `tensor` was a positional argument of."""
+        return sum(id(tensor) in ids for ids in self.args)
 
 
 @pytest.mark.parametrize("name", sorted(GROUPS))
@@ -369,21 +376,6 @@ def test_the_lm_eval_backend_runs_the_same_runtime(tiny_artifact):
         FTCLM(pretrained=folder, device="cpu", runtime="fast")
 
 
-class _Uses(TorchFunctionMode):
-    """How often each watched tensor is an argument of a torch call inside the block."""
-
-    def __init__(self, watched: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.names = {id(t): name for name, t in watched.items()}
-        self.counts = dict.fromkeys(watched, 0)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        for arg in args:
-            if id(arg) in self.names:
-                self.counts[self.names[id(arg)]] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("inference", [False, True])
 @pytest.mark.parametrize("layout", ["gqa", "phi3"])
 def test_a_groups_members_share_one_forward_in_inference_mode_too(layout, inference, tiny_artifact):
@@ -395,9 +387,9 @@ def test_a_groups_members_share_one_forward_in_inference_mode_too(layout, infere
               if isinstance(group, FactorGroup) and group.form != "dense" and not group.single}
     assert {g.form for g in groups.values()} == {"merged"}  # the split form's own sharing is what runs
     mode = torch.inference_mode() if inference else torch.no_grad()
-    with _Uses({name: getattr(g, g.first) for name, g in groups.items()}) as uses, mode:
+    with _Calls() as calls, mode:
         model(IDS)
-    assert uses.counts == dict.fromkeys(groups, 1)
+    assert {name: calls.uses(getattr(g, g.first)) for name, g in groups.items()} == dict.fromkeys(groups, 1)
 
 
 @pytest.mark.parametrize("rows", [1, SPLIT_ROWS - 1, SPLIT_ROWS])
