@@ -38,6 +38,10 @@ Per FTC variant the JSON and the tables also give the form every group runs in (
 §9) and the values held at run time against the values stored, in the speed and memory runtimes,
 computed from the artifact's shapes by the loader's own rule.
 
+`--device cuda` runs the measured models on a GPU (artifacts are still compressed on the CPU):
+timestamps are taken after the device's queue is drained, and the peak-memory processes add
+`torch.cuda.max_memory_allocated` beside the host's RSS.
+
 Writes benchmarks/results/inference.{json,md,png} (`--smoke`: a temporary folder). A block of
 measurements (model, dtype, threads) is saved as soon as it is complete and skipped when the
 command is run again with the same settings, so an interrupted run continues where it stopped.
@@ -326,12 +330,15 @@ def peak_rss() -> int:
 
 
 class _Clock:
-    """A generation streamer that timestamps the prompt and every new token."""
+    """A generation streamer that timestamps the prompt and every new token, once `sync` (the
+    device's queue drained: kernels on an accelerator return before they finish) has returned."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Callable[[], None]) -> None:
         self.times: list[float] = []
+        self.sync = sync
 
     def put(self, _value) -> None:
+        self.sync()
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
@@ -357,27 +364,31 @@ def worker(job: dict) -> dict:
     threads = job["threads"]
     torch.set_num_threads(threads)
     dtype = getattr(torch, job["dtype"])
+    device = torch.device(job.get("device", "cpu"))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     if job["scope"] == "dense" and job.get("unmapped"):
         from ftc.runtime.hf.modeling_ftc import load_unmapped, unmapped_weights
 
         weights = unmapped_weights((job["folder"],), {})
-        model = load_unmapped(dense_cls.from_pretrained, weights, config, dtype=dtype).eval()
+        model = load_unmapped(dense_cls.from_pretrained, weights, config, dtype=dtype).to(device).eval()
     elif job["scope"] == "dense":
-        model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=dtype).to(device).eval()
     else:
         from ftc.runtime.artifact import load_compressed
 
-        model = load_compressed(Path(job["folder"]), dtype, runtime=job["runtime"])  # no tokenizer, as dense
+        model = load_compressed(Path(job["folder"]), dtype, device, runtime=job["runtime"])  # no tokenizer, as dense
+    sync()
     load_seconds = time.perf_counter() - t0
     rss_loaded = _proc_status("VmRSS")
     generator = torch.Generator().manual_seed(0)
     batch, length = job["prefill"]
-    ids = torch.randint(0, job["vocab"], (batch, length), generator=generator)
-    prompts = {b: torch.randint(0, job["vocab"], (b, job["prompt"]), generator=generator) for b in job["batches"]}
+    ids = torch.randint(0, job["vocab"], (batch, length), generator=generator).to(device)
+    prompts = {b: torch.randint(0, job["vocab"], (b, job["prompt"]), generator=generator).to(device)
+               for b in job["batches"]}
 
     def generate(prompt, tokens: int) -> _Clock:
-        clock = _Clock()
+        clock = _Clock(sync)
         out = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, use_cache=True,
                              pad_token_id=0, streamer=clock)
         assert out.shape[1] == prompt.shape[1] + tokens, out.shape
@@ -388,13 +399,17 @@ def worker(job: dict) -> dict:
     with torch.inference_mode():
         if job["kind"] == "rss":
             generate(prompts[1], new)
-            return {**result, "peak_rss": peak_rss(), "rss_imports": rss_imports, "rss_loaded": rss_loaded}
+            on_device = {"peak_device_bytes": torch.cuda.max_memory_allocated(device)} if device.type == "cuda" else {}
+            return {**result, "peak_rss": peak_rss(), "rss_imports": rss_imports, "rss_loaded": rss_loaded,
+                    **on_device}
         # warm-up at the measured shapes: kernels pick and cache their plans per shape on first use
         model(ids, use_cache=True, logits_to_keep=1)
         for prompt in prompts.values():
             generate(prompt, 4)
+        sync()
         start = time.perf_counter()
         model(ids, use_cache=True, logits_to_keep=1)
+        sync()
         result["prefill_tokens_per_s"] = batch * length / (time.perf_counter() - start)
         for b, prompt in prompts.items():
             clock = generate(prompt, new)
@@ -436,7 +451,8 @@ def spread_of(samples: list[dict], key: str) -> float | None:
 
 
 SPEED_KEYS = ("prefill_tokens_per_s", *(f"decode_b{b}_tokens_per_s" for b in DECODE_BATCHES))
-RSS_KEYS = ("peak_rss", "rss_imports", "rss_loaded")
+RSS_KEYS = ("peak_rss", "rss_imports", "rss_loaded", "peak_device_bytes")
+"""`peak_device_bytes`: `torch.cuda.max_memory_allocated` of the same process, with `--device cuda` only."""
 
 
 def measure_block(variants: list[Variant], base_job: dict, kind: str, repeats: int, timeout: float,
@@ -469,7 +485,7 @@ def _brief(sample: dict) -> str:
     return " ".join(f"{k.split('_tokens')[0]} {sample[k]:.1f}" for k in SPEED_KEYS if k in sample)
 
 
-def machine_facts() -> dict:
+def machine_facts(device: str = "cpu") -> dict:
     import torch
     import transformers
 
@@ -502,19 +518,23 @@ def machine_facts() -> dict:
             "torch_default_threads": torch.get_num_threads(), "memory_bytes": memory,
             "cpu_kernels": torch.backends.cpu.get_cpu_capability(), "os": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "git_commit": commit + (" (with uncommitted changes)" if dirty else "")}
+            "git_commit": commit + (" (with uncommitted changes)" if dirty else ""),
+            **({"accelerator": f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"}
+               if device.startswith("cuda") else {})}
 
 
 def settings_of(args, threads: list[int]) -> dict:
     return {"prefill": list(args.prefill), "prompt": PROMPT, "new_tokens": args.new_tokens,
             "decode_batches": list(DECODE_BATCHES), "repeats": args.repeats, "dtypes": list(args.dtypes),
             "threads": threads, "runtime": args.runtime, "ratios": list(args.ratios), "keeps": list(args.keeps),
-            "tiny_layers": args.tiny_layers}
+            "tiny_layers": args.tiny_layers,
+            **({"device": args.device} if args.device != "cpu" else {})}  # a CPU run's settings as before
 
 
 def run(args) -> dict:
     import torch
 
+    check_device(args.device)
     threads = sorted({1, torch.get_num_threads()} if args.threads == "both" else {int(args.threads)})
     settings = settings_of(args, threads)
     results = json.loads(args.out.read_text()) if args.out.exists() and not args.fresh else {}
@@ -526,7 +546,7 @@ def run(args) -> dict:
     python = Path(sys.executable)  # relative inside the checkout, so the record names no machine's paths
     python = python.relative_to(Path.cwd()) if python.is_relative_to(Path.cwd()) else python
     results.update(settings=settings, command=shlex.join([str(python), *sys.argv]),
-                   machine=machine_facts(), load_average_before=os.getloadavg())
+                   machine=machine_facts(args.device), load_average_before=os.getloadavg())
     results.setdefault("models", {})
     args.artifacts.mkdir(parents=True, exist_ok=True)
     prepared = {}
@@ -558,7 +578,7 @@ def run(args) -> dict:
         print(f"{name}, {dtype}, {'peak RSS' if thread == 'rss' else f'{thread} thread(s)'}:", flush=True)
         job = {"dtype": dtype, "threads": threads[-1] if thread == "rss" else thread, "vocab": facts["vocab"],
                "prefill": list(args.prefill), "prompt": PROMPT, "new_tokens": args.new_tokens,
-               "batches": list(DECODE_BATCHES), "runtime": args.runtime}
+               "batches": list(DECODE_BATCHES), "runtime": args.runtime, "device": args.device}
         block = measure_block(variants, job, "rss" if thread == "rss" else "speed", args.repeats, args.timeout,
                               progress)
         results["models"][name]["runs"][_block_key(dtype, thread)] = block
@@ -566,6 +586,21 @@ def run(args) -> dict:
     results.update(load_average_after=os.getloadavg(), measured_seconds=round(time.time() - started))
     _save(args.out, results)
     return results
+
+
+def check_device(device: str) -> None:
+    """`--device` at the edge: a device torch can name and, for CUDA, one this torch can reach."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise SystemExit(f"--device {device!r} is not a device torch knows; give cpu, cuda or cuda:N") from None
+    if kind not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {device!r}: only cpu and cuda[:N] are measured here")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device!r}: this torch ({torch.__version__}) sees no CUDA device; run it on a "
+                         "machine with one, or give --device cpu")
 
 
 def _block_key(dtype: str, thread) -> str:
@@ -641,7 +676,8 @@ def render(results: dict) -> str:
         f"Machine: {m['cpu']}, {m['physical_cores']} cores / {m['logical_cpus']} logical CPUs, "
         f"{(m['memory_bytes'] or 0) / 2**30:.0f} GiB; torch {m['torch']} ({m['cpu_kernels']} kernels, "
         f"{m['torch_default_threads']} threads by default), transformers {m['transformers']}, Python {m['python']}, "
-        f"{m['os']}; code at {m['git_commit']}. Load average before {_loads(results.get('load_average_before'))}, "
+        f"{m['os']}" + (f"; measured on {m['accelerator']} (`--device {s['device']}`)" if "accelerator" in m else "")
+        + f"; code at {m['git_commit']}. Load average before {_loads(results.get('load_average_before'))}, "
         f"after {_loads(results.get('load_average_after'))}.", "",
         f"Each cell is the median of {s['repeats']} processes, one per repeat and variant, variants interleaved. "
         f"Prefill: {s['prefill'][0]} x {s['prefill'][1]} tokens into the KV cache, last-position logits. Decode: "
@@ -655,19 +691,25 @@ def render(results: dict) -> str:
         for key, block in entry["runs"].items():
             dense = block.get("dense", {}).get("median", {})
             if key.endswith("/rss"):
+                on_device = dense.get("peak_device_bytes") is not None  # a --device cuda run
                 lines += [f"### {key.split('/')[0]}, peak RSS", "",
                           "| variant | peak RSS MiB | x dense | peak above the imports MiB | x dense "
-                          "| after imports MiB | after load MiB |", "|---|---|---|---|---|---|---|"]
+                          "| after imports MiB | after load MiB |" + (" peak device memory MiB | x dense |" if on_device
+                                                                       else ""),
+                          "|---|---|---|---|---|---|---|" + ("---|---|" if on_device else "")]
                 for name, v in variants.items():
                     if name not in block:
                         lines.append(f"| {v['label']} | not available | | | | | |")
                         continue
                     med = block[name]["median"]
                     above = _above(med)
+                    device_cells = (f" {_mib(med['peak_device_bytes'])} | "
+                                    f"{_x(_ratio(med['peak_device_bytes'], dense['peak_device_bytes']))} |"
+                                    if on_device else "")
                     lines.append(f"| {v['label']} | {_mib(med['peak_rss'])} | "
                                  f"{_x(_ratio(med['peak_rss'], dense.get('peak_rss')))} | {_mib(above)} | "
                                  f"{_x(_ratio(above, _above(dense)))} | {_mib(med['rss_imports'])} | "
-                                 f"{_mib(med['rss_loaded'])} |")
+                                 f"{_mib(med['rss_loaded'])} |" + device_cells)
             else:
                 dtype, threads = key.split("/")
                 lines += [f"### {dtype}, {threads.replace('threads=', '')} thread(s)", "",
@@ -794,6 +836,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=_prefill, default=PREFILL, help="BATCHxTOKENS of the prefill")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--runtime", choices=("speed", "memory"), default="speed", help="the FTC runtime measured")
+    parser.add_argument("--device", default="cpu",
+                        help="where the measured models run: cpu or cuda[:N] (artifacts are compressed on the CPU)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one measuring process may take")
     parser.add_argument("--artifacts", type=Path, default=Path(tempfile.gettempdir()) / "ftc-inference-bench",
                         help="where models and artifacts are kept between runs (made when missing)")
