@@ -520,7 +520,7 @@ def machine_facts(device: str = "cpu") -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "git_commit": commit + (" (with uncommitted changes)" if dirty else ""),
             **({"accelerator": f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"}
-               if device.startswith("cuda") else {})}
+               if torch.device(device).type == "cuda" else {})}
 
 
 def settings_of(args, threads: list[int]) -> dict:
@@ -699,7 +699,7 @@ def render(results: dict) -> str:
                           "|---|---|---|---|---|---|---|" + ("---|---|" if on_device else "")]
                 for name, v in variants.items():
                     if name not in block:
-                        lines.append(f"| {v['label']} | not available | | | | | |")
+                        lines.append(f"| {v['label']} | not available | | | | | |" + (" | |" if on_device else ""))
                         continue
                     med = block[name]["median"]
                     above = _above(med)
