@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from ftc.numerics import lowrank
+from ftc.numerics import lowrank, metric
 from ftc.numerics.lowrank import (
     anchored_rhs,
     budget_rank,
@@ -115,8 +115,11 @@ def test_truncated_svd_reaches_the_eckart_young_error():
     torch.testing.assert_close((w - a @ b).pow(2).sum(), s[6:].pow(2).sum())
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-spectrum", "subset"])
 @pytest.mark.parametrize("dtype", [torch.float32, D])
-def test_top_eigenpairs_are_the_leading_ones_largest_first_and_leave_a_gram_not_handed_over(dtype):
+def test_top_eigenpairs_are_the_leading_ones_largest_first_and_leave_a_gram_not_handed_over(dtype, whole, monkeypatch):
+    """Both drivers (`syevd` up to `WHOLE_SPECTRUM_WIDTH`, `syevr`'s subset wider) give the same pairs."""
+    monkeypatch.setattr(metric, "WHOLE_SPECTRUM_WIDTH", 12 if whole else 11)
     x = torch.randn(50, 12, dtype=D)
     gram = (x.T @ x).to(dtype)
     kept = gram.clone()
