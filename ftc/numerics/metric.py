@@ -47,10 +47,11 @@ def pivot_signs(vectors: torch.Tensor) -> torch.Tensor:
     return torch.where(pivot < 0, -1.0, 1.0).to(vectors.dtype)
 
 
-WHOLE_SPECTRUM_WIDTH = 2048
-"""Widest symmetric matrix whose eigenproblem `top_eigenpairs` solves whole (`syevd`), for speed;
-its workspace of twice the matrix is 64 MB here, and 268 MB at a 7B model's width of 4096, where
-the subset solver keeps the compression within its memory bound."""
+WHOLE_SPECTRUM_WIDTH = 1024
+"""Widest symmetric matrix whose eigenproblem `top_eigenpairs` solves whole (`syevd`), for speed:
+every Gram of SmolLM2-135M and Gemma-3-270M (576 and 640 wide). Its workspace of twice the matrix
+is 16 MB here, but 64 MB at TinyLlama's 2048 and 268 MB at a 7B model's 4096, where the subset
+solver keeps the compression within the memory bounds of benchmarks/results/memory.md."""
 
 
 def top_eigenpairs(gram: torch.Tensor, count: int, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +62,7 @@ def top_eigenpairs(gram: torch.Tensor, count: int, owned: bool = False) -> tuple
     float64 `gram` is then destroyed). Up to `WHOLE_SPECTRUM_WIDTH`, divide and conquer (`syevd`)
     solves the whole spectrum: 2-3.5x faster than the subset solver at the counts the HOSVD and the
     truncations ask for (a third to all of the vectors; 0.04 against 0.11 s at width 576, two
-    threads), and its workspace of twice the matrix is a few tens of MB there. Wider, `syevr` for
+    threads), and its workspace of twice the matrix is at most 16 MB there. Wider, `syevr` for
     the subset only: it computes no other vector and holds about half the matrix beside it, where
     `syevd` holds twice it and torch's `eigh` 4.3 times it (at a 7B-shaped layer that set the memory
     peak of the Q/K/V and `W_O` steps, benchmarks/results/memory.md). Every driver's vectors move
