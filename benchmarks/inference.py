@@ -546,7 +546,7 @@ def run(args) -> dict:
     python = Path(sys.executable)  # relative inside the checkout, so the record names no machine's paths
     python = python.relative_to(Path.cwd()) if python.is_relative_to(Path.cwd()) else python
     results.update(settings=settings, command=shlex.join([str(python), *sys.argv]),
-                   machine=machine_facts(args.device), load_average_before=os.getloadavg())
+                   machine=machine_facts(args.device))
     results.setdefault("models", {})
     args.artifacts.mkdir(parents=True, exist_ok=True)
     prepared = {}
@@ -572,6 +572,8 @@ def run(args) -> dict:
                                                **(runtime_summary(Path(v.folder)) if v.folder and v.scope != "dense"
                                                   else {})} for v in variants})
         entry.setdefault("runs", {})
+    # read after the variants' own compression, so it shows the load the measurements start under
+    results.update(load_average_before=os.getloadavg())
     started = time.time()
     for name, dtype, thread in todo:
         variants, facts = prepared[name]
