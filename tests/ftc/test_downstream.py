@@ -14,7 +14,15 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
-from ftc.evaluation.downstream import average, document_scores, evaluate_tasks, paired_difference
+from ftc.evaluation.downstream import (
+    LOGITS_BYTES,
+    LOGITS_TOKENS,
+    average,
+    document_scores,
+    evaluate_tasks,
+    paired_difference,
+    task_batch_size,
+)
 from ftc.evaluation.harness import OFFLINE, offline
 from ftc.evaluation.tasks import AVG6, PREFIX, TASK_DIR, TASKS, TaskDataError, parse_tasks, task_file
 from ftc.models.registry import resolve_model
@@ -40,6 +48,17 @@ def loaded_tasks() -> dict:
     manager = TaskManager(include_path=str(TASK_DIR), include_defaults=False)
     loaded = manager.load([PREFIX + t for t in TASKS])["tasks"]
     return {name[len(PREFIX):]: task for name, task in loaded.items()}
+
+
+def test_the_documents_per_forward_are_capped_by_what_the_vocabularys_logits_take():
+    """8 bytes per padded token and vocabulary entry (logits and their log-softmax, float32)."""
+    for vocab in (49_152, 262_144, 10**7):
+        fitting = task_batch_size(64, vocab)
+        assert fitting * 8 * LOGITS_TOKENS * vocab <= LOGITS_BYTES or fitting == 1
+        assert (fitting + 1) * 8 * LOGITS_TOKENS * vocab > LOGITS_BYTES
+    assert task_batch_size(16, 49_152) == 16  # SmolLM2's tables keep their batch
+    assert task_batch_size(16, 262_144) == 4  # Gemma-3-270M's 16 were killed for memory
+    assert task_batch_size(2, 262_144) == 2 and task_batch_size(0, 100) == 1
 
 
 def test_task_names_expand_avg6_and_reject_unknown_ones():
