@@ -125,8 +125,9 @@ def evaluate_tasks(
     batch_size: int = 1,
     per_document: bool = False,
 ) -> dict[str, Any]:
-    """`{"tasks": {name: row}, "avg", "avg_stderr", "groups", "limit", "num_fewshot"}` for known task
-    names; `groups` holds the average of each task group covered (`group_averages`).
+    """`{"tasks": {name: row}, "avg", "avg_stderr", "groups", "limit", "num_fewshot", "batch_size"}` for
+    known task names; `groups` holds the average of each task group covered (`group_averages`), and
+    `batch_size` the documents per forward used (`task_batch_size`: `batch_size` or fewer).
 
     `limit` scores the first N documents of each task (lm-eval's `--limit`); `num_fewshot` None
     keeps each config's own (0, and 5 for GSM8K). Every data file is checked before any work.
@@ -161,4 +162,4 @@ def evaluate_tasks(
         for task, row in rows.items():
             row["documents"] = document_scores(task, output["samples"][PREFIX + task])
     return {"tasks": rows, **average(rows), "groups": group_averages(rows), "limit": limit,
-            "num_fewshot": num_fewshot}
+            "num_fewshot": num_fewshot, "batch_size": fitting}
