@@ -24,7 +24,8 @@ LOGITS_BYTES = 8 << 30
 """Bytes a batch of lm-eval's loglikelihood requests may spend on logits. lm-eval takes the float32
 logits of every position of a padded batch and their log-softmax (8 bytes per position and
 vocabulary entry): with Gemma-3-270M's 262,144-entry vocabulary, 16 documents per batch held 23.5 GB
-and were killed for memory on a 24 GB machine, where SmolLM2-135M's 49,152 entries take 16 in 5 GB."""
+and were killed for memory on a 24 GB machine; at SmolLM2-135M's 49,152 entries, 16 documents of
+1024 tokens come to 6.4 GB."""
 LOGITS_TOKENS = 1024
 """Padded tokens per document `LOGITS_BYTES` is sized for: a bound on the shipped tasks' longest."""
 
