@@ -6,7 +6,6 @@ Prompts, answer choices and scoring are lm-eval's (`ftc/evaluation/tasks/`); not
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 from collections.abc import Sequence
@@ -18,22 +17,6 @@ from ftc.evaluation.tasks import GROUPS, PREFIX, TASK_DIR, task_file
 
 SCORE_METRIC = {"gsm8k": ("exact_match", "strict-match")}
 """The headline metric and lm-eval filter of a task when it is not `acc` (lm-eval's `none` filter)."""
-
-
-LOGITS_BYTES = 8 << 30
-"""Bytes a batch of lm-eval's loglikelihood requests may spend on logits. lm-eval takes the float32
-logits of every position of a padded batch and their log-softmax (8 bytes per position and
-vocabulary entry): with Gemma-3-270M's 262,144-entry vocabulary, 16 documents per batch held 23.5 GB
-and were killed for memory on a 24 GB machine; at SmolLM2-135M's 49,152 entries, 16 documents of
-1024 tokens come to 6.4 GB."""
-LOGITS_TOKENS = 1024
-"""Padded tokens per document `LOGITS_BYTES` is sized for: a bound on the shipped tasks' longest."""
-
-
-def task_batch_size(requested: int, vocab: int) -> int:
-    """`requested` documents per forward, at most what `LOGITS_BYTES` holds for a `vocab`-entry
-    vocabulary (at least one)."""
-    return max(1, min(requested, LOGITS_BYTES // (8 * LOGITS_TOKENS * vocab)))
 
 
 def score_key(task: str) -> tuple[str, str]:
@@ -128,7 +111,7 @@ def evaluate_tasks(
 ) -> dict[str, Any]:
     """`{"tasks": {name: row}, "avg", "avg_stderr", "groups", "limit", "num_fewshot", "batch_size"}` for
     known task names; `groups` holds the average of each task group covered (`group_averages`), and
-    `batch_size` the documents per forward used (`task_batch_size`: `batch_size` or fewer).
+    `batch_size` the documents per forward used (`FTCLM` may lower it: `task_batch_size`).
 
     `limit` scores the first N documents of each task (lm-eval's `--limit`); `num_fewshot` None
     keeps each config's own (0, and 5 for GSM8K). Every data file is checked before any work.
@@ -144,12 +127,7 @@ def evaluate_tasks(
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
-        vocab = model.config.vocab_size
-        if (fitting := task_batch_size(batch_size, vocab)) < batch_size:
-            logging.getLogger(__name__).warning(
-                "scoring %d documents per forward, not %d: the %d-entry vocabulary's logits would exceed %d GiB",
-                fitting, batch_size, vocab, LOGITS_BYTES >> 30)
-        lm = FTCLM(pretrained=model, tokenizer=tokenizer, batch_size=fitting)
+        lm = FTCLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         output = simple_evaluate(
             model=lm,
             tasks=[PREFIX + task for task in tasks],
@@ -163,4 +141,4 @@ def evaluate_tasks(
         for task, row in rows.items():
             row["documents"] = document_scores(task, output["samples"][PREFIX + task])
     return {"tasks": rows, **average(rows), "groups": group_averages(rows), "limit": limit,
-            "num_fewshot": num_fewshot, "batch_size": fitting}
+            "num_fewshot": num_fewshot, "batch_size": lm.batch_size}

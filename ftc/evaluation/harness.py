@@ -17,6 +17,7 @@ first, taking exactly lm-eval's arguments:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,22 @@ from ftc.runtime.hf.modeling_ftc import RUNTIMES
 from ftc.runtime.loading import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+LOGITS_BYTES = 8 << 30
+"""Bytes a batch of lm-eval's loglikelihood requests may spend on logits. lm-eval takes the float32
+logits of every position of a padded batch and their log-softmax (8 bytes per position and
+vocabulary entry): with Gemma-3-270M's 262,144-entry vocabulary, 16 documents per batch held 23.5 GB
+and were killed for memory on a 24 GB machine; at SmolLM2-135M's 49,152 entries, 16 documents of
+1024 tokens come to 6.4 GB."""
+LOGITS_TOKENS = 1024
+"""Padded tokens per document `LOGITS_BYTES` is sized for: a bound on the shipped tasks' longest."""
+
+
+def task_batch_size(requested: int, vocab: int) -> int:
+    """`requested` documents per forward, at most what `LOGITS_BYTES` holds for a `vocab`-entry
+    vocabulary (at least one)."""
+    return max(1, min(requested, LOGITS_BYTES // (8 * LOGITS_TOKENS * vocab)))
 
 
 OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -72,7 +89,9 @@ class FTCLM(HFLM):
 
     An artifact runs in the runtime `load_artifact` gives it: `runtime=speed` (the default, each
     group in its cheapest form) or `runtime=memory` (the stored form), e.g.
-    `--model_args pretrained=DIR,runtime=memory`.
+    `--model_args pretrained=DIR,runtime=memory`. A fixed `batch_size` is lowered to what the
+    vocabulary's logits allow (`task_batch_size`), whichever route scores: `ftc eval`, the jobs, or
+    lm-eval's own command line.
     """
 
     def __init__(
@@ -94,6 +113,13 @@ class FTCLM(HFLM):
             tokenizer = tokenizer or loaded
         if tokenizer is None:
             raise ModelError("the model has no tokenizer; save one with the artifact or pass tokenizer=...")
+        if not str(batch_size).startswith("auto"):  # lm-eval's own search sizes an "auto" batch
+            vocab = pretrained.config.vocab_size
+            if (fitting := task_batch_size(int(batch_size), vocab)) < int(batch_size):
+                logging.getLogger(__name__).warning(
+                    "scoring %d documents per forward, not %s: the %d-entry vocabulary's logits would exceed "
+                    "%d GiB", fitting, batch_size, vocab, LOGITS_BYTES >> 30)
+            batch_size = fitting
         super().__init__(pretrained=pretrained, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
 
 

@@ -14,16 +14,8 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
-from ftc.evaluation.downstream import (
-    LOGITS_BYTES,
-    LOGITS_TOKENS,
-    average,
-    document_scores,
-    evaluate_tasks,
-    paired_difference,
-    task_batch_size,
-)
-from ftc.evaluation.harness import OFFLINE, offline
+from ftc.evaluation.downstream import average, document_scores, evaluate_tasks, paired_difference
+from ftc.evaluation.harness import LOGITS_BYTES, LOGITS_TOKENS, OFFLINE, offline, task_batch_size
 from ftc.evaluation.tasks import AVG6, PREFIX, TASK_DIR, TASKS, TaskDataError, parse_tasks, task_file
 from ftc.models.registry import resolve_model
 from ftc.options import InputError
@@ -174,6 +166,18 @@ def test_per_document_scores_are_lm_evals_and_pair_two_models_on_the_same_docume
     dense, compressed = (result["tasks"] for result in scored)
     assert paired_difference(compressed, dense)["avg_diff"] == pytest.approx(scored[1]["avg"] - scored[0]["avg"])
     assert paired_difference(dense, dense)["stderr"] == 0.0
+
+
+def test_the_backend_lowers_a_fixed_batch_to_what_the_logits_take(tiny_folder, monkeypatch):
+    """Every route to lm-eval builds `FTCLM`, so the cap lives there: a fixed batch (int or lm-eval's
+    string) is lowered, never raised."""
+    from ftc.evaluation import harness
+
+    model, tokenizer = load_model(resolve_model(str(tiny_folder("gqa"))))
+    assert harness.FTCLM(pretrained=model, tokenizer=tokenizer, batch_size=8).batch_size == 8
+    monkeypatch.setattr(harness, "LOGITS_BYTES", 3 * 8 * LOGITS_TOKENS * model.config.vocab_size)
+    assert harness.FTCLM(pretrained=model, tokenizer=tokenizer, batch_size="8").batch_size == 3
+    assert harness.FTCLM(pretrained=model, tokenizer=tokenizer, batch_size=2).batch_size == 2
 
 
 def test_offline_turns_the_hub_switches_on_inside_and_restores_them_after(monkeypatch):
