@@ -30,7 +30,8 @@ from ftc.evaluation.data import bos_prefix, load_text, tokenize
 from ftc.evaluation.evaluate import perplexity
 from ftc.models.arch import decoder_layers, get_module, layout_of
 from ftc.models.registry import resolve_model
-from ftc.numerics.metric import WORK_DTYPE, Moments
+from ftc.numerics.lowrank import weighted_error
+from ftc.numerics.metric import Moments
 from ftc.runtime.loading import load_model
 
 RESULTS = Path(__file__).parent / "results" / "projection_sensitivity.json"
@@ -71,9 +72,7 @@ def measure(alias: str, ratio: float, windows: int) -> dict:
             w = module.weight.detach().T  # (in, out)
             moments = stats[index, "ctx" if p == "o" else "in"]
             a, b, _ = method.factor(w, moments, method.rank(p, *w.shape))
-            gram, wide = moments.gram.to(WORK_DTYPE), w.to(WORK_DTYPE)
-            error = wide - (a @ b).to(WORK_DTYPE)
-            lost[p].append(float((error * (gram @ error)).sum() / (wide * (gram @ wide)).sum()))
+            lost[p].append(weighted_error(w, (a, b), moments.gram))
             original[index, p], truncated[index, p] = module.weight.detach().clone(), (a @ b).T.to(w.dtype)
     ids = tokenize(tokenizer, load_text("wikitext2-tune", "test"))
 
