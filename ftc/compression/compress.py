@@ -31,6 +31,7 @@ from ftc.models.weights import (
     skeleton,
     text_part,
 )
+from ftc.numerics.metric import spilled_grams
 from ftc.options import (
     ALLOCATIONS,
     BATCH_SIZE,
@@ -164,28 +165,31 @@ def compress(
     calib = calibration_batch(tokenizer, options, layout.hidden) if method.needs_data else None
     if loaded is None:
         tokenizer = None  # tens of MB held through every layer otherwise; the artifact reloads it
-    if budgets is not None:
-        method = dataclasses.replace(method, budgets=tuple(budgets))
-    elif method.plans:
-        method = plan_budgets(method, weights, layout, calib, options, device, progress, plan_store=plan_store,
-                              resident=None if loaded is None else loaded[0])
-    temporary = work_dir is None
-    # the method's fixed choices (sink and key weights, anchor...) too: layers written by a version
-    # that made other choices must not be mixed into this run's artifact
-    description = {**work_description(options, source, weights, calib), "choices": method.choices()}
-    if method.budgets is not None:  # a changed plan must not resume another plan's layers
-        description["plan"] = list(method.budgets)
-    store = LayerStore(work_dir or out_dir.parent / f".{out_dir.name}.work-{os.getpid()}", description)
-    try:
-        run = compress_to_store(store, weights, layout, method, calib, options, device,
-                                progress=progress, on_layer=on_layer)
-        manifest = build_manifest(options, method, source, layout, calib, store.entries(), run, device,
-                                  text_part_of=weights.text_part_of)
-        tokenizer = tokenizer or load_tokenizer(source)
-        manifest = assemble(out_dir, store, weights.config, tokenizer, manifest, overwrite)
-    finally:
-        if temporary:
-            shutil.rmtree(store.folder, ignore_errors=True)
+    # a model streamed from disk: its Grams spill to files while the factorisations run, so the
+    # memory bound holds for one layer's math, not its statistics too (`spilled_grams`)
+    with spilled_grams(not weights.resident):
+        if budgets is not None:
+            method = dataclasses.replace(method, budgets=tuple(budgets))
+        elif method.plans:
+            method = plan_budgets(method, weights, layout, calib, options, device, progress, plan_store=plan_store,
+                                  resident=None if loaded is None else loaded[0])
+        temporary = work_dir is None
+        # the method's fixed choices (sink and key weights, anchor...) too: layers written by a version
+        # that made other choices must not be mixed into this run's artifact
+        description = {**work_description(options, source, weights, calib), "choices": method.choices()}
+        if method.budgets is not None:  # a changed plan must not resume another plan's layers
+            description["plan"] = list(method.budgets)
+        store = LayerStore(work_dir or out_dir.parent / f".{out_dir.name}.work-{os.getpid()}", description)
+        try:
+            run = compress_to_store(store, weights, layout, method, calib, options, device,
+                                    progress=progress, on_layer=on_layer)
+            manifest = build_manifest(options, method, source, layout, calib, store.entries(), run, device,
+                                      text_part_of=weights.text_part_of)
+            tokenizer = tokenizer or load_tokenizer(source)
+            manifest = assemble(out_dir, store, weights.config, tokenizer, manifest, overwrite)
+        finally:
+            if temporary:
+                shutil.rmtree(store.folder, ignore_errors=True)
     manifest["total_seconds"] = round(time.perf_counter() - t0, 3)
     return manifest
 

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ftc.models.arch import AttentionLayout, decoder_layers, get_module, layer_types, projection_weights, set_module
 from ftc.models.weights import WeightSource, materialize, release
-from ftc.numerics.metric import WORK_DTYPE, Moments, accumulate_product
+from ftc.numerics.metric import Moments, accumulate_product, gram_buffer
 from ftc.runtime.hf.modeling_ftc import place
 from ftc.runtime.stored import build_modules
 
@@ -267,7 +267,7 @@ def down_stats(layer: nn.Module, layout: AttentionLayout, inputs: list[torch.Ten
     stats = ContextStats(teacher=Moments(layout.intermediate, device, absolute))
     if compressed_in is not None:
         stats.student = Moments(layout.intermediate, device, absolute)
-        stats.cross = torch.zeros(layout.intermediate, layout.intermediate, dtype=WORK_DTYPE, device=device)
+        stats.cross = gram_buffer(layout.intermediate, device)
     for x in inputs:
         x = x.to(device)
         h_t = capture_input(mlp, down, x, {})
@@ -300,7 +300,7 @@ def context_stats(
     stats = ContextStats(teacher=Moments(width, stream.device, absolute))
     if compressed_qkv is not None:
         stats.student = Moments(width, stream.device, absolute)
-        stats.cross = torch.zeros(width, width, dtype=WORK_DTYPE, device=stream.device)
+        stats.cross = gram_buffer(width, stream.device)
     kept: list[torch.Tensor] | None = None if keep is None else []
     for h, kw in stream.batches():
         a_t = capture_input(layer, layout.o, h, kw)

@@ -7,7 +7,12 @@ every activation-weighted objective below into a plain Frobenius one.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import mmap
+import tempfile
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -34,6 +39,65 @@ PRODUCT_DTYPE = torch.float32
 CHUNK_ROWS = 2048
 """Rows per float32 product before it is added into a float64 sum: bounds the float32
 accumulation error (~sqrt(rows) * 6e-8 relative) far below the guard's damping of 1e-4."""
+
+
+_SPILL = contextvars.ContextVar("ftc_spill_grams", default=False)
+_SPILLED: dict[int, mmap.mmap] = {}
+"""The file mappings of the live spilled Grams (`gram_buffer`), by the id of their mapping."""
+_EVICT = getattr(mmap, "MADV_PAGEOUT", getattr(mmap, "MADV_DONTNEED", None))
+"""`madvise` advice that takes a mapping's pages out of the process: `MADV_PAGEOUT` (Linux 5.4)
+writes them back to their file and reclaims them; `MADV_DONTNEED` unmaps them, the page cache
+keeping them until written back. A later read faults them in again, the same bits."""
+
+
+@contextlib.contextmanager
+def spilled_grams(enabled: bool = True) -> Iterator[None]:
+    """Within the block, `gram_buffer` backs each `d x d` float64 Gram by a temporary file, and
+    `evict_spilled` moves the pages of every live one out of resident memory.
+
+    Why: on a model streamed from disk a layer's Grams (134 MB each at width 4096) sit beside the
+    factorisations that follow them but are not read during them: the Q/K/V input Gram waits
+    through the HOSVD and the refits for the guard's error and for mapping `U1` back, the `W_O`
+    metric through its truncated SVD (§3, §8). Spilled during those, they leave the 7B-shaped
+    memory peak (benchmarks/results/memory.md) for one write and one read back each, from the
+    temporary folder (`TMPDIR`, which must be a disk, not a RAM-backed tmpfs, for this to free memory).
+    """
+    token = _SPILL.set(enabled and _EVICT is not None)
+    try:
+        yield
+    finally:
+        _SPILL.reset(token)
+
+
+def spilling() -> bool:
+    """Whether `gram_buffer` spills here (within `spilled_grams`, where `madvise` exists)."""
+    return _SPILL.get()
+
+
+def gram_buffer(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed `dim x dim` float64 buffer for a Gram: file-backed under `spilled_grams` on the CPU
+    (an unlinked temporary file, mapped shared, so its pages can leave memory and come back),
+    ordinary memory otherwise. The values and every result computed from them are the same."""
+    nbytes = dim * dim * WORK_DTYPE.itemsize
+    if not spilling() or torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(dim, dim, dtype=WORK_DTYPE, device=device)
+    with tempfile.TemporaryFile() as file:
+        file.truncate(nbytes)  # a sparse file: reads as zeros
+        mapped = mmap.mmap(file.fileno(), nbytes)  # the mapping outlives the descriptor
+    buffer = torch.frombuffer(mapped, dtype=WORK_DTYPE).view(dim, dim)  # holds `mapped` while it lives
+    _SPILLED[id(mapped)] = mapped
+    weakref.finalize(buffer, _SPILLED.pop, id(mapped), None)
+    return buffer
+
+
+def evict_spilled() -> None:
+    """Take every live spilled Gram out of resident memory until it is next read (`spilled_grams`).
+
+    Called where a fit stops reading its metric (`Whitening.release`); a Gram read again later
+    faults its pages back in from the file, so an eviction is never wrong, at worst a re-read.
+    """
+    for mapped in list(_SPILLED.values()):
+        mapped.madvise(_EVICT)
 
 
 def pivot_signs(vectors: torch.Tensor) -> torch.Tensor:
@@ -172,7 +236,7 @@ class Moments:
     normalised: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        self.gram_sum = torch.zeros(self.dim, self.dim, dtype=WORK_DTYPE, device=self.device)
+        self.gram_sum = gram_buffer(self.dim, self.device)
         self.abs_sum = torch.zeros(self.dim, dtype=WORK_DTYPE, device=self.device) if self.absolute else None
 
     def update(self, x: torch.Tensor) -> None:
@@ -304,11 +368,14 @@ def damped_factor(gram: torch.Tensor, eps: float) -> torch.Tensor | None:
     """`R` with `damp(C, eps) = R R^T`, or None where the factorisation fails or is not finite (§3).
 
     Factorised in place: one d x d float64 buffer, not the damped copy and its factor. A function of
-    `C` and `eps` alone, so factorising again gives the same bits (`Whitening.release`).
+    `C` and `eps` alone, so factorising again gives the same bits (`Whitening.release`). Spilled
+    Grams leave memory once it is formed (`evict_spilled`): what follows works with the factor (a
+    whitening, `W_O`'s solve beside its right side and solution), and reads `C` again only later.
     """
     damped = damp(gram.to(WORK_DTYPE), eps)
     info = torch.empty((), dtype=torch.int32, device=gram.device)
     chol, info = torch.linalg.cholesky_ex(damped, out=(damped, info))
+    evict_spilled()
     if int(info) == 0 and bool(torch.isfinite(chol).all()):
         return chol
     return None
@@ -402,9 +469,12 @@ class Whitening:
         return self._chol
 
     def release(self) -> None:
-        """Free the factor until the next use; no-op for a whitening not formed from a Gram."""
+        """Free the factor until the next use (kept where it was not formed from a Gram), and spill
+        the Grams (`evict_spilled`): a fit releases its whitening once its operand is whitened, so
+        neither the factor nor its Gram is resident during the factorisation that follows."""
         if self._gram is not None:
             self._chol = None
+        evict_spilled()
 
     def apply(self, w: torch.Tensor) -> torch.Tensor:
         """`R^T W` for `W` of shape `(d, ...)`."""

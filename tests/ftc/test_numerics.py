@@ -7,12 +7,20 @@ batched products summed over slices, float64 Grams) and the way the library comp
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
 from ftc.numerics.lowrank import weighted_error
-from ftc.numerics.metric import ActivationError, Moments, Whitening, damp, damped_whitenings
+from ftc.numerics.metric import (
+    ActivationError,
+    Moments,
+    Whitening,
+    damp,
+    damped_whitenings,
+    spilled_grams,
+)
 from ftc.numerics.tucker import (
     EnergyTable,
     TuckerFactors,
@@ -237,3 +245,44 @@ def test_a_factor_that_cannot_be_formed_again_is_an_error_not_the_identity():
     gram.fill_(float("nan"))  # the Gram the whitening was formed from, modified after
     with pytest.raises(RuntimeError, match="modified"):
         white.apply(torch.ones(6, 2, dtype=D))
+
+
+def _resident_kib(tensor: torch.Tensor) -> int:
+    """Resident KiB of the mapping that holds `tensor`'s data, from /proc/self/smaps (Linux)."""
+    address, inside = tensor.data_ptr(), False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the tensor")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads resident pages from Linux's /proc")
+def test_spilled_grams_leave_resident_memory_while_unread_and_read_back_the_same():
+    """Under `spilled_grams` a Gram lives in a file mapping; forming a factor and releasing a
+    whitening (a fit that has whitened its operand) evict it, and reading it again gives the same
+    bits (ftc-method.md §3)."""
+    x = torch.randn(3, 400, 512, generator=torch.Generator().manual_seed(10))
+    with spilled_grams():
+        spilled = Moments(512)
+        spilled.update(x)
+        gram = spilled.gram
+        assert _resident_kib(gram) >= 512 * 512 * 8 // 1024  # touched: every page resident
+        white = Whitening.from_gram(gram)
+        assert _resident_kib(gram) < 64  # out of memory once its factor is formed, until read
+        copy = gram.clone()  # read: faulted back in
+        assert _resident_kib(gram) >= 512 * 512 * 8 // 1024
+        white.release()
+        assert _resident_kib(gram) < 64
+    with spilled_grams(False):
+        plain = Moments(512)
+    plain.update(x)
+    assert torch.equal(gram, plain.gram) and torch.equal(copy, gram)  # the sums of ordinary memory, bit for bit
+    assert torch.equal(white.chol, Whitening.from_gram(plain.gram).chol)
+    assert _resident_kib(plain.gram) >= 512 * 512 * 8 // 1024  # ordinary memory is not evicted
+    Whitening(None, None).release()
+    assert _resident_kib(plain.gram) >= 512 * 512 * 8 // 1024

@@ -14,6 +14,7 @@ import torch
 
 from ftc.compression.compress import CompressOptions, compress
 from ftc.models.arch import UnsupportedModel, layout_of
+from ftc.numerics.metric import spilling
 from ftc.options import InputError
 from ftc.runtime.artifact import load_artifact
 from tests.support.pipeline import compress_loaded
@@ -36,8 +37,10 @@ def test_streamed_sharded_run_equals_the_in_memory_run(layout_name, tiny_folder,
     assert (folder / "model.safetensors.index.json").is_file()
     options = CompressOptions(model=str(folder), ratio=0.4, calib_samples=4, seq_len=64, dtype="float32",
                               device="cpu", batch_size=2)
-    manifest = compress(options, tmp_path / "streamed", progress=False)
+    spilled = []  # whether the Grams spill to files while each layer is compressed (from disk: yes)
+    manifest = compress(options, tmp_path / "streamed", progress=False, on_layer=lambda _: spilled.append(spilling()))
     streamed, _, _ = load_artifact(tmp_path / "streamed")
+    assert spilled == [True] * 3 and not spilling()
 
     # the same model held in memory (as the benchmarks pass it), through the same compress()
     model = tiny_model(layout_name, vocab_size=len(smollm2_tokenizer), layers=3)
