@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import math
 import mmap
+import os
 import tempfile
 import weakref
 from collections.abc import Callable, Iterator
@@ -58,9 +59,10 @@ def spilled_grams(enabled: bool = True) -> Iterator[None]:
     Why: on a model streamed from disk a layer's Grams (134 MB each at width 4096) sit beside the
     factorisations that follow them but are not read during them: the Q/K/V input Gram waits
     through the HOSVD and the refits for the guard's error and for mapping `U1` back, the `W_O`
-    metric through its truncated SVD (§3, §8). Spilled during those, they leave the 7B-shaped
-    memory peak (benchmarks/results/memory.md) for one write and one read back each, from the
-    temporary folder (`TMPDIR`, which must be a disk, not a RAM-backed tmpfs, for this to free memory).
+    metric through its solve and truncated SVD, which work with its Cholesky factor (§3, §8).
+    Spilled during those, they leave the 7B-shaped memory peak (benchmarks/results/memory.md) for
+    a write and a read back each, from the temporary folder (`TMPDIR`, which must be a disk, not a
+    RAM-backed tmpfs, for this to free memory).
     """
     token = _SPILL.set(enabled and _EVICT is not None)
     try:
@@ -81,9 +83,13 @@ def gram_buffer(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     nbytes = dim * dim * WORK_DTYPE.itemsize
     if not spilling() or torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(dim, dim, dtype=WORK_DTYPE, device=device)
-    with tempfile.TemporaryFile() as file:
-        file.truncate(nbytes)  # a sparse file: reads as zeros
-        mapped = mmap.mmap(file.fileno(), nbytes)  # the mapping outlives the descriptor
+    try:
+        with tempfile.TemporaryFile() as file:
+            # blocks reserved now (zeros): a full disk fails here, not in a later write-back of the map
+            os.posix_fallocate(file.fileno(), 0, nbytes)
+            mapped = mmap.mmap(file.fileno(), nbytes)  # the mapping outlives the descriptor
+    except OSError:  # no room or no writable TMPDIR: the Gram stays in memory, as unspilled
+        return torch.zeros(dim, dim, dtype=WORK_DTYPE, device=device)
     buffer = torch.frombuffer(mapped, dtype=WORK_DTYPE).view(dim, dim)  # holds `mapped` while it lives
     _SPILLED[id(mapped)] = mapped
     weakref.finalize(buffer, _SPILLED.pop, id(mapped), None)
