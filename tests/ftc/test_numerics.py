@@ -286,3 +286,16 @@ def test_spilled_grams_leave_resident_memory_while_unread_and_read_back_the_same
     assert _resident_kib(plain.gram) >= 512 * 512 * 8 // 1024  # ordinary memory is not evicted
     Whitening(None, None).release()
     assert _resident_kib(plain.gram) >= 512 * 512 * 8 // 1024
+
+
+def test_a_gram_that_cannot_be_spilled_stays_in_memory(tmp_path, monkeypatch):
+    """No writable temporary folder: the Gram is ordinary memory and the run goes on."""
+    import tempfile
+
+    from ftc.numerics.metric import gram_buffer
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    with spilled_grams():
+        buffer = gram_buffer(8)
+    assert torch.equal(buffer, torch.zeros(8, 8, dtype=D))
+    buffer.add_(1.0)  # writable
