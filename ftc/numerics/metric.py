@@ -43,8 +43,9 @@ accumulation error (~sqrt(rows) * 6e-8 relative) far below the guard's damping o
 
 
 _SPILL = contextvars.ContextVar("ftc_spill_grams", default=False)
-_SPILLED: dict[int, mmap.mmap] = {}
-"""The file mappings of the live spilled Grams (`gram_buffer`), by the id of their mapping."""
+_SPILLED: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
+"""The file mappings of the spilled Grams (`gram_buffer`), each here while a tensor (the Gram or a
+view of it) holds it."""
 _EVICT = getattr(mmap, "MADV_PAGEOUT", getattr(mmap, "MADV_DONTNEED", None))
 """`madvise` advice that takes a mapping's pages out of the process: `MADV_PAGEOUT` (Linux 5.4)
 writes them back to their file and reclaims them; `MADV_DONTNEED` unmaps them, the page cache
@@ -91,8 +92,7 @@ def gram_buffer(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     except OSError:  # no room or no writable TMPDIR: the Gram stays in memory, as unspilled
         return torch.zeros(dim, dim, dtype=WORK_DTYPE, device=device)
     buffer = torch.frombuffer(mapped, dtype=WORK_DTYPE).view(dim, dim)  # holds `mapped` while it lives
-    _SPILLED[id(mapped)] = mapped
-    weakref.finalize(buffer, _SPILLED.pop, id(mapped), None)
+    _SPILLED.add(mapped)
     return buffer
 
 
@@ -102,7 +102,7 @@ def evict_spilled() -> None:
     Called where a fit stops reading its metric (`Whitening.release`); a Gram read again later
     faults its pages back in from the file, so an eviction is never wrong, at worst a re-read.
     """
-    for mapped in list(_SPILLED.values()):
+    for mapped in list(_SPILLED):
         mapped.madvise(_EVICT)
 
 
