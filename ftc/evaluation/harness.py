@@ -2,7 +2,8 @@
 
 `FTCLM` is lm-eval's own `HFLM` given the model object this library loads: a compressed artifact
 runs in its factorized form, any other `--model` spec (alias, Hugging Face folder, .gguf) runs as
-transformers loads it. Loglikelihood, rolling loglikelihood and generation are HFLM's, unchanged.
+transformers loads it. Loglikelihood, rolling loglikelihood and generation are HFLM's; a
+loglikelihood forward computes the head only at the positions lm-eval scores (`scored_tail`).
 
 The package declares `ftc` in lm-eval's plugin entry-point group `lm_eval.models`, which lm-eval
 reads from its releases after 0.4.13 on: with those, `lm_eval run --model ftc` works as installed.
@@ -48,6 +49,39 @@ def task_batch_size(requested: int, vocab: int) -> int:
     """`requested` documents per forward, at most what `LOGITS_BYTES` holds for a `vocab`-entry
     vocabulary (at least one)."""
     return max(1, min(requested, LOGITS_BYTES // (8 * LOGITS_TOKENS * vocab)))
+
+
+def scored_inputs(requests, max_length: int) -> dict[tuple[int, ...], int]:
+    """Each model input of HFLM's loglikelihood `requests` (context and continuation tokens, cut on
+    the left to the window, the last token dropped, as HFLM builds it), with the longest
+    continuation scored on it."""
+    scored: dict[tuple[int, ...], int] = {}
+    for _, context, continuation in requests:
+        key = tuple((context + continuation)[-(max_length + 1):][:-1])
+        scored[key] = max(scored.get(key, 0), len(continuation))
+    return scored
+
+
+def scored_tail(inps: torch.Tensor, scored: dict[tuple[int, ...], int]) -> int | None:
+    """How many trailing positions of the right-padded batch `inps` HFLM reads logits at: from the
+    first position where any row's continuation is scored to the end. None where a row is not one of
+    `scored`'s inputs (then every position is needed).
+
+    Why a tail is enough: HFLM reads a row's logits at `[inplen - contlen, inplen)` counted from the
+    end of what the model returns (its `ctx_len` allows for fewer positions than the input), so the
+    last `tail` positions serve every row whose continuation starts inside them. A row's length is
+    not known from the batch (padding is token 0, which a text may also hold), so every length from
+    its last non-zero token to the batch width that is a scored input counts: the tail can only grow.
+    """
+    width, first = inps.shape[1], inps.shape[1]
+    for row in inps.tolist():
+        filled = max((i + 1 for i, token in enumerate(row) if token), default=0)
+        starts = [length - scored[key] for length in range(filled, width + 1)
+                  if (key := tuple(row[:length])) in scored]
+        if not starts:
+            return None
+        first = min(first, *starts)
+    return width - first
 
 
 OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -121,6 +155,32 @@ class FTCLM(HFLM):
                     "%d GiB", fitting, batch_size, vocab, LOGITS_BYTES >> 30)
             batch_size = fitting
         super().__init__(pretrained=pretrained, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
+        self._scored: dict[tuple[int, ...], int] = {}
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """HFLM's, with the inputs it will score known to `_model_call` (`scored_inputs`)."""
+        self._scored = scored_inputs(requests, self.max_length) if self.backend == "causal" else {}
+        try:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        finally:
+            self._scored = {}
+
+    def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                    labels: torch.Tensor | None = None) -> torch.Tensor:
+        """HFLM's forward, the head and its logits only at the positions HFLM scores (`scored_tail`).
+
+        Why: lm-eval reads the log-probabilities of the continuation tokens only, but HFLM computes
+        the head and a float32 log-softmax at every position of the padded batch; with Gemma-3's
+        262,144-entry vocabulary the head is most of a forward's work. transformers' causal LMs take
+        `logits_to_keep`, the number of trailing positions to compute logits for, and HFLM already
+        reads a shorter output from its end. Scores are those of every position computed (the same
+        products, on fewer rows)."""
+        tail = scored_tail(inps, self._scored) if self._scored and attn_mask is None and labels is None else None
+        if tail is None or tail >= inps.shape[1]:
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                             enabled=self.mixed_precision_dtype is not None):
+            return self.model(inps, logits_to_keep=max(tail, 1)).logits
 
 
 def main() -> None:

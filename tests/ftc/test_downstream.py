@@ -10,12 +10,13 @@ from pathlib import Path
 
 import lm_eval.tasks
 import pytest
+import torch
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
 from ftc.evaluation.downstream import average, document_scores, evaluate_tasks, paired_difference
-from ftc.evaluation.harness import LOGITS_BYTES, LOGITS_TOKENS, OFFLINE, offline, task_batch_size
+from ftc.evaluation.harness import LOGITS_BYTES, LOGITS_TOKENS, OFFLINE, offline, scored_tail, task_batch_size
 from ftc.evaluation.tasks import AVG6, PREFIX, TASK_DIR, TASKS, TaskDataError, parse_tasks, task_file
 from ftc.models.registry import resolve_model
 from ftc.options import InputError
@@ -199,3 +200,47 @@ def test_the_installed_package_declares_the_ftc_backend_in_lm_evals_plugin_group
     declared = importlib.metadata.entry_points(group="lm_eval.models")
     assert [entry.value for entry in declared if entry.name == "ftc"] == ["ftc.evaluation.harness:FTCLM"]
     assert next(entry for entry in declared if entry.name == "ftc").load() is get_model("ftc")
+
+
+def test_the_scored_tail_starts_where_the_first_continuation_starts_and_counts_every_possible_length():
+    from ftc.evaluation.harness import scored_inputs
+
+    # (context, continuation): inputs of 5 and 4 tokens scoring 2 and 3 of them; a third ends in token 0
+    requests = [(("", ""), [5, 6, 7], [8, 9]), (("", ""), [1, 2], [3, 4, 5]), (("", ""), [2, 3, 0], [4])]
+    scored = scored_inputs(requests, max_length=64)
+    assert scored == {(5, 6, 7, 8): 2, (1, 2, 3, 4): 3, (2, 3, 0): 1}
+    batch = torch.tensor([[5, 6, 7, 8, 0, 0], [1, 2, 3, 4, 0, 0]])
+    assert scored_tail(batch, scored) == 6 - min(4 - 2, 4 - 3)
+    # the row that ends in 0 reads as 2 tokens or 3: if [2, 3] were also scored, both lengths count
+    assert scored_tail(torch.tensor([[2, 3, 0, 0]]), scored) == 4 - (3 - 1)
+    assert scored_tail(torch.tensor([[2, 3, 0, 0]]), {**scored, (2, 3): 2}) == 4 - 0
+    assert scored_tail(torch.tensor([[9, 9, 0]]), scored) is None  # not a scored input: every position
+    # inputs cut on the left to the window, the last token dropped, as HFLM builds them
+    assert scored_inputs([(("", ""), [1, 2, 3], [4, 5])], max_length=3) == {(2, 3, 4): 2}
+
+
+def test_the_backend_scores_from_the_tail_exactly_as_from_every_position(tiny_folder, monkeypatch):
+    """Loglikelihoods with the head applied at the scored tail only equal lm-eval's own (every
+    position), on rows of different lengths in one batch, and the tail is shorter than the batch."""
+    from ftc.evaluation import harness
+
+    model, tokenizer = load_model(resolve_model(str(tiny_folder("gqa"))))
+    lm = harness.FTCLM(pretrained=model, tokenizer=tokenizer, batch_size=4)
+    gen = torch.Generator().manual_seed(0)
+    requests = []
+    for context_len, cont_len in [(30, 3), (12, 5), (25, 1), (7, 2), (40, 6), (3, 3)]:
+        tokens = torch.randint(1, model.config.vocab_size, (context_len + cont_len,), generator=gen).tolist()
+        requests.append((("", ""), tokens[:context_len], tokens[context_len:]))
+    tails = []
+    monkeypatch.setattr(harness, "scored_tail", lambda inps, scored: tails.append(
+        (found := scored_tail(inps, scored), inps.shape[1])) or found)
+    forward, positions = lm._model_call, []
+    monkeypatch.setattr(lm, "_model_call", lambda inps, **kw: positions.append(
+        ((out := forward(inps, **kw)).shape[1], inps.shape[1])) or out)
+    from_tail = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert any(tail < width for tail, width in tails)
+    assert [(tail, width) for tail, width in tails] == positions  # the model computed the tail only
+    monkeypatch.setattr(harness, "scored_tail", lambda inps, scored: None)
+    everywhere = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert [greedy for _, greedy in from_tail] == [greedy for _, greedy in everywhere]
+    assert [score for score, _ in from_tail] == pytest.approx([score for score, _ in everywhere], rel=1e-5, abs=1e-5)
