@@ -18,6 +18,7 @@ first, taking exactly lm-eval's arguments:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Iterator
@@ -156,10 +157,13 @@ class FTCLM(HFLM):
             batch_size = fitting
         super().__init__(pretrained=pretrained, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
         self._scored: dict[tuple[int, ...], int] = {}
+        # transformers' causal LMs take `logits_to_keep`; a model that does not is scored everywhere
+        self._tail_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """HFLM's, with the inputs it will score known to `_model_call` (`scored_inputs`)."""
-        self._scored = scored_inputs(requests, self.max_length) if self.backend == "causal" else {}
+        tail = self.backend == "causal" and self._tail_logits
+        self._scored = scored_inputs(requests, self.max_length) if tail else {}
         try:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         finally:

@@ -244,3 +244,19 @@ def test_the_backend_scores_from_the_tail_exactly_as_from_every_position(tiny_fo
     everywhere = lm._loglikelihood_tokens(requests, disable_tqdm=True)
     assert [greedy for _, greedy in from_tail] == [greedy for _, greedy in everywhere]
     assert [score for score, _ in from_tail] == pytest.approx([score for score, _ in everywhere], rel=1e-5, abs=1e-5)
+
+
+def test_a_model_that_takes_no_logits_to_keep_is_scored_at_every_position(tiny_folder, monkeypatch):
+    """Any Hugging Face model may be scored; one whose forward has no `logits_to_keep` gets HFLM's
+    call as it is (asking it for a tail would raise)."""
+    from ftc.evaluation import harness
+
+    model, tokenizer = load_model(resolve_model(str(tiny_folder("gqa"))))
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda input_ids: forward(input_ids))
+    lm = harness.FTCLM(pretrained=model, tokenizer=tokenizer, batch_size=2)
+    calls = []
+    monkeypatch.setattr(lm, "_model_call", lambda inps, **kw: calls.append(
+        ((out := type(lm)._model_call(lm, inps, **kw)).shape[1], inps.shape[1])) or out)
+    lm._loglikelihood_tokens([(("", ""), [5, 6, 7, 8], [9]), (("", ""), [5, 6], [7, 8])], disable_tqdm=True)
+    assert calls and all(positions == width for positions, width in calls)
