@@ -162,8 +162,8 @@ class FTCLM(HFLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """HFLM's, with the inputs it will score known to `_model_call` (`scored_inputs`)."""
-        tail = self.backend == "causal" and self._tail_logits
-        self._scored = scored_inputs(requests, self.max_length) if tail else {}
+        tails = self.backend == "causal" and self._tail_logits  # whether a forward may compute a tail only
+        self._scored = scored_inputs(requests, self.max_length) if tails else {}
         try:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         finally:

@@ -16,7 +16,15 @@ from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
 from ftc.evaluation.downstream import average, document_scores, evaluate_tasks, paired_difference
-from ftc.evaluation.harness import LOGITS_BYTES, LOGITS_TOKENS, OFFLINE, offline, scored_tail, task_batch_size
+from ftc.evaluation.harness import (
+    LOGITS_BYTES,
+    LOGITS_TOKENS,
+    OFFLINE,
+    offline,
+    scored_inputs,
+    scored_tail,
+    task_batch_size,
+)
 from ftc.evaluation.tasks import AVG6, PREFIX, TASK_DIR, TASKS, TaskDataError, parse_tasks, task_file
 from ftc.models.registry import resolve_model
 from ftc.options import InputError
@@ -203,8 +211,6 @@ def test_the_installed_package_declares_the_ftc_backend_in_lm_evals_plugin_group
 
 
 def test_the_scored_tail_starts_where_the_first_continuation_starts_and_counts_every_possible_length():
-    from ftc.evaluation.harness import scored_inputs
-
     # (context, continuation): inputs of 5 and 4 tokens scoring 2 and 3 of them; a third ends in token 0
     requests = [(("", ""), [5, 6, 7], [8, 9]), (("", ""), [1, 2], [3, 4, 5]), (("", ""), [2, 3, 0], [4])]
     scored = scored_inputs(requests, max_length=64)
