@@ -22,7 +22,8 @@ cached hidden state).
 
 Either list depends on the model, the calibration and the method's fixed choices, not on
 rho, so it is kept on disk (`cache_folder`) and a second ratio, a resumed run or a sweep over rho
-reuses it: the search is paid once per model and calibration, not once per ratio.
+reuses it: the search is paid once per model and calibration, not once per ratio. ASVD's search
+also keeps its list so far there (`<name>.partial.json`), so one cut short resumes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -310,29 +311,44 @@ def truncations(method: Method, proj: str, w: torch.Tensor, scale: torch.Tensor,
 
 
 def sensitivities(method: Method, model: nn.Module, layout: AttentionLayout, calib: torch.Tensor, *,
-                  batch_size: int, progress: bool = True, ratios: tuple[float, ...] = ASVD_RATIO_CANDIDATES
+                  batch_size: int, progress: bool = True, ratios: tuple[float, ...] = ASVD_RATIO_CANDIDATES,
+                  done: Iterable[Sensitivity] = (), checkpoint: Callable[[list[Sensitivity]], None] | None = None
                   ) -> list[Sensitivity]:
     """ASVD's sensitivity list (§11): the calibration perplexity with each projection alone truncated
     at each ratio, measured on the first `ASVD_SENSITIVITY_SEQUENCES` calibration sequences, on the
-    device the model sits on."""
+    device the model sits on.
+
+    The whole-model list of Gemma-3-270M is 1134 candidates of about ten seconds each on two CPU
+    cores, hours a job can lose to a restart: `checkpoint` is handed the list so far after each
+    projection's candidates, and a projection whose every ratio is in `done` (what a checkpoint kept
+    before the run was cut short) is taken from there, not measured again. Each candidate is measured
+    on the original model alone, so the resumed list is the one an uninterrupted search gives."""
     device = model.get_input_embeddings().weight.device
-    scales = activation_scales(model, layout, calib, batch_size, device)
-    ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
-    inputs = cached_layer_inputs(model, layout, ids, batch_size, device)
-    layers = decoder_layers(model, layout)
-    entries = []
     projections = searched(layout, method.scope)
-    with tqdm(total=len(layers) * len(projections) * len(ratios), desc="asvd sensitivity", unit="candidate",
-              disable=not progress) as bar:
+    layers = decoder_layers(model, layout)
+    kept = {(e.layer, e.proj, e.ratio): e for e in done}
+    reused = {(i, p) for i in range(len(layers)) for p in projections if all((i, p, r) in kept for r in ratios)}
+    if len(reused) < len(layers) * len(projections):
+        scales = activation_scales(model, layout, calib, batch_size, device)
+        ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
+        inputs = cached_layer_inputs(model, layout, ids, batch_size, device)
+    entries: list[Sensitivity] = []
+    with tqdm(total=len(layers) * len(projections) * len(ratios), initial=len(reused) * len(ratios),
+              desc="asvd sensitivity", unit="candidate", disable=not progress) as bar:
         for index, layer in enumerate(layers):
             weights, _ = projection_weights(layer, layout, layout.scoped(method.scope))
             for proj in projections:
+                if (index, proj) in reused:
+                    entries.extend(kept[index, proj, r] for r in ratios)
+                    continue
                 scale = scales[index][SCALE_OF[proj]]
                 for ratio, truncated in truncations(method, proj, weights[proj].detach().T, scale, ratios):
                     with replaced(layer, layout, proj, truncated):
                         loss = loss_from_layer(model, layout, index, ids, batch_size, inputs[index], device)
                     entries.append(Sensitivity(index, proj, ratio, math.exp(loss)))
                     bar.update()
+                if checkpoint is not None:
+                    checkpoint(entries)
     return entries
 
 
@@ -430,16 +446,29 @@ def cached_sensitivities(path: Path | None, measure: Callable[[], list], kind: t
     (written whole or not at all). An unreadable file is measured again and replaced, never trusted
     in part; a cache that cannot be written costs the next run a search, not this one its result.
     `kind` is the dataclass of the entries (`Sensitivity`, `UnitCurve`)."""
-    if path is not None:
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            return [kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()})
-                    for entry in json.loads(path.read_text())["entries"]]
+    if path is not None and (entries := read_entries(path, kind)) is not None:
+        return entries
     entries = measure()
     if path is not None:
-        with contextlib.suppress(OSError):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, json.dumps({"entries": [dataclasses.asdict(e) for e in entries]}).encode())
+        write_entries(path, entries)
     return entries
+
+
+def read_entries(path: Path, kind: type = Sensitivity) -> list | None:
+    """The entries of a list file (`cached_sensitivities`, or a search's partial list), None when it
+    is missing or unreadable: a damaged file is never trusted in part."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return [kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()})
+                for entry in json.loads(path.read_text())["entries"]]
+    return None
+
+
+def write_entries(path: Path, entries: list) -> None:
+    """`entries` written to `path` whole or not at all; a folder that cannot be written is no error
+    (the list is a cache: losing it costs a later run a search, not this one its result)."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps({"entries": [dataclasses.asdict(e) for e in entries]}).encode())
 
 
 def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, calib: torch.Tensor, *,
@@ -463,8 +492,16 @@ def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, ca
         return dataclasses.replace(method, budgets=tuple(layer_plan(entries, layout, layers, method.keep_ratio)))
     projections = searched(layout, method.scope)
     sizes = {(i, p): projection_size(layout, p) for i in range(layers) for p in projections}
-    entries = cached_sensitivities(path, lambda: sensitivities(method, model, layout, calib,
-                                                                batch_size=batch_size, progress=progress))
+    partial = None if path is None else path.with_suffix(".partial.json")  # a search cut short resumes from it
+
+    def measure() -> list[Sensitivity]:
+        return sensitivities(method, model, layout, calib, batch_size=batch_size, progress=progress,
+                             done=() if partial is None else read_entries(partial) or (),
+                             checkpoint=None if partial is None else lambda entries: write_entries(partial, entries))
+
+    entries = cached_sensitivities(path, measure)
+    if partial is not None:
+        partial.unlink(missing_ok=True)
     total = int(method.keep_ratio * layers * sum(layout.part_params(method.scope).values()))
     ratios = threshold_ratios(entries, sizes, total)
     return dataclasses.replace(method, budgets=tuple({p: int(ratios[i, p] * sizes[i, p]) for p in projections}

@@ -301,3 +301,65 @@ def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_folder() == tmp_path / "home" / ".cache" / "ftc"
+
+
+class _Killed(Exception):
+    """Stands for the process dying mid-search."""
+
+
+_LOSS = sensitivity.loss_from_layer
+
+
+def _counting_losses(monkeypatch, fail_after: int | None = None) -> list:
+    """Counts the candidates measured (each is one `loss_from_layer`); with `fail_after`, the search
+    dies at the candidate after that many."""
+    calls: list = []
+
+    def counted(*args, **kwargs):
+        if fail_after is not None and len(calls) == fail_after:
+            raise _Killed
+        calls.append(args[2])
+        return _LOSS(*args, **kwargs)
+
+    monkeypatch.setattr(sensitivity, "loss_from_layer", counted)
+    return calls
+
+
+def test_a_search_cut_short_resumes_from_its_checkpoint_and_gives_the_same_list(monkeypatch):
+    model = _confident("gqa")
+    layout = layout_of(model.config)
+    calib = _calibration(model)
+    method = make_method("asvd", 0.4, torch.float16)
+    ratios = (0.2, 0.7)
+    run = dict(batch_size=BATCH, progress=False, ratios=ratios)
+    whole = sensitivities(method, model, layout, calib, **run)
+    kept: list = []
+    _counting_losses(monkeypatch, fail_after=11)  # dies in the sixth projection's candidates
+    with pytest.raises(_Killed):
+        sensitivities(method, model, layout, calib, checkpoint=lambda entries: kept.append(list(entries)), **run)
+    assert [len(k) for k in kept] == [2, 4, 6, 8, 10]  # after each projection
+    calls = _counting_losses(monkeypatch)
+    assert sensitivities(method, model, layout, calib, done=kept[-1], **run) == whole
+    assert len(calls) == len(whole) - 10  # only what the checkpoint did not hold
+    assert calls[0] == 1  # the first five projections were layer 0's four and layer 1's W_Q
+
+
+def test_search_budgets_resumes_a_search_cut_short_from_the_cache_folder(monkeypatch, tmp_path):
+    """The partial list sits beside where the whole one will be, is read by the next run, which
+    plans what an uninterrupted search plans, and is gone once the whole list is kept."""
+    model = _confident("gqa", layers=2)
+    layout = layout_of(model.config)
+    calib = _calibration(model)
+    method = make_method("asvd", 0.4, torch.float32)
+    fresh = search_budgets(method, model, layout, calib, batch_size=BATCH, progress=False).budgets
+    _counting_losses(monkeypatch, fail_after=3 * 9)  # three projections of nine candidates each
+    with pytest.raises(_Killed):
+        search_budgets(method, model, layout, calib, batch_size=BATCH, progress=False, cache=tmp_path)
+    [partial] = (tmp_path / "asvd-sensitivity").iterdir()
+    assert partial.name.endswith(".partial.json") and len(json.loads(partial.read_text())["entries"]) == 27
+    calls = _counting_losses(monkeypatch)
+    assert search_budgets(method, model, layout, calib, batch_size=BATCH, progress=False,
+                          cache=tmp_path).budgets == fresh
+    assert len(calls) == 2 * 4 * 9 - 27
+    [whole] = (tmp_path / "asvd-sensitivity").iterdir()
+    assert whole == sensitivity_file(tmp_path, method, model, calib)
