@@ -16,6 +16,11 @@ the same options (marked in the table); its WikiText-2 number stays as it was.
 Each model and scope has its own file (`results_file`): SmolLM2 with `--scope attention` writes
 benchmarks/results/quality.{json,md,png}, Gemma-3-270M quality_gemma3-270m.*, `--scope model`
 quality_model_scope.* and quality_model_scope_gemma3-270m.*.
+
+The measured plans (`asvd`'s sensitivity lists, the layer lists of `--allocation sensitivity`) are
+kept in benchmarks/results/plans/ (`PLANS`; `FTC_CACHE_DIR` set says elsewhere) and committed with the
+tables they made: a rerun plans from the lists the tables were made with, and a search too long for
+one sitting (asvd's on Gemma-3-270M, hours) resumes from its partial list in a later one.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from ftc.runtime.artifact import load_artifact
 from ftc.runtime.loading import load_model
 
 RESULTS = Path(__file__).parent / "results"
+PLANS = RESULTS / "plans"
 BASELINES = ("svd_llm", "svd_llm_v2", "asvd", "svd", "per_matrix")
 METHODS = ("ftc", "ftc_uniform", "ftc_global", "ftc_sensitivity", *BASELINES)
 VARIANTS = {"ftc_uniform": {"method": "ftc", "allocation": "uniform"},
@@ -539,6 +545,7 @@ def main() -> None:
     if refused := [m for m in args.methods if m not in methods_of_scope(list(METHODS), args.scope)]:
         parser.error(f"--methods {' '.join(refused)} do not run with --scope {args.scope}")
     torch.manual_seed(0)
+    os.environ.setdefault(CACHE_ENV, str(PLANS))
 
     # tasks and structures write tables of their own; the dense perplexity they start from is this file's
     separate = args.part in ("tasks", "structures")
