@@ -501,7 +501,8 @@ def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, ca
 
     entries = cached_sensitivities(path, measure)
     if partial is not None:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a folder that cannot be written is no error (`write_entries`)
+            partial.unlink(missing_ok=True)
     total = int(method.keep_ratio * layers * sum(layout.part_params(method.scope).values()))
     ratios = threshold_ratios(entries, sizes, total)
     return dataclasses.replace(method, budgets=tuple({p: int(ratios[i, p] * sizes[i, p]) for p in projections}
