@@ -57,6 +57,7 @@ from ftc.options import (
     LAYER_RATIO_CANDIDATES,
     PLAN_REFERENCE_RATIO,
     PLAN_WHOLE_UNITS,
+    SCOPES,
     InputError,
     method_ratio_problem,
 )
@@ -498,8 +499,9 @@ def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, ca
     partial = None if path is None else path.with_suffix(".partial.json")  # a search cut short resumes from it
 
     def measure() -> list[Sensitivity]:
-        return sensitivities(method, model, layout, calib, batch_size=batch_size, progress=progress,
-                             done=() if partial is None else read_entries(partial) or (),
+        done = [] if cache is None or partial is None else [
+            *(read_entries(partial) or ()), *wider_entries(cache, method, model, layout, calib)]
+        return sensitivities(method, model, layout, calib, batch_size=batch_size, progress=progress, done=done,
                              checkpoint=None if partial is None else lambda entries: write_entries(partial, entries))
 
     entries = cached_sensitivities(path, measure)
@@ -510,6 +512,22 @@ def search_budgets(method: Method, model: nn.Module, layout: AttentionLayout, ca
     ratios = threshold_ratios(entries, sizes, total)
     return dataclasses.replace(method, budgets=tuple({p: int(ratios[i, p] * sizes[i, p]) for p in projections}
                                                      for i in range(layers)))
+
+
+def wider_entries(cache: Path, method: Method, model: nn.Module, layout: AttentionLayout, calib: torch.Tensor
+                  ) -> list[Sensitivity]:
+    """The candidates a kept list of a wider scope already holds (whole or partial): the whole-model
+    list measures every attention candidate the attention list needs. Each candidate is measured on
+    the original model alone, whatever else the search covers, so a list is the same read from
+    there as measured again; on Gemma-3-270M that is the attention search's hour."""
+    ours = set(searched(layout, method.scope))
+    entries: list[Sensitivity] = []
+    for scope in SCOPES:
+        if scope != method.scope and ours < set(searched(layout, scope)):
+            path = sensitivity_file(cache, dataclasses.replace(method, scope=scope), model, calib)
+            for found in (path, path.with_suffix(".partial.json")):
+                entries.extend(e for e in read_entries(found) or () if e.proj in ours)
+    return entries
 
 
 def projection_size(layout: AttentionLayout, proj: str) -> int:

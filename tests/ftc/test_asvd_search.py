@@ -363,3 +363,28 @@ def test_search_budgets_resumes_a_search_cut_short_from_the_cache_folder(monkeyp
     assert len(calls) == 2 * 4 * 9 - 27
     [whole] = (tmp_path / "asvd-sensitivity").iterdir()
     assert whole == sensitivity_file(tmp_path, method, model, calib)
+
+
+def test_an_attention_search_reads_its_candidates_from_a_kept_whole_model_list(monkeypatch, tmp_path):
+    """The whole-model list holds every attention candidate, each measured on the original model
+    alone: the attention search then measures none and plans what a search of its own plans; from a
+    whole-model search cut short it measures only what that one had not reached."""
+    model = _confident("gqa", layers=2)
+    layout = layout_of(model.config)
+    calib = _calibration(model)
+    attention = make_method("asvd", 0.4, torch.float32)
+    whole_model = make_method("asvd", 0.4, torch.float32, scope="model")
+    fresh = search_budgets(attention, model, layout, calib, batch_size=BATCH, progress=False).budgets
+    search_budgets(whole_model, model, layout, calib, batch_size=BATCH, progress=False, cache=tmp_path)
+    calls = _counting_losses(monkeypatch)
+    assert search_budgets(attention, model, layout, calib, batch_size=BATCH, progress=False,
+                          cache=tmp_path).budgets == fresh
+    assert calls == []
+    cut_short = tmp_path / "cut"
+    _counting_losses(monkeypatch, fail_after=9 * 9)  # layer 0's seven projections, layer 1's first two
+    with pytest.raises(_Killed):
+        search_budgets(whole_model, model, layout, calib, batch_size=BATCH, progress=False, cache=cut_short)
+    calls = _counting_losses(monkeypatch)
+    assert search_budgets(attention, model, layout, calib, batch_size=BATCH, progress=False,
+                          cache=cut_short).budgets == fresh
+    assert len(calls) == 2 * 9 and set(calls) == {1}  # layer 1's W_V and W_O
