@@ -71,6 +71,17 @@ def input_statistics(model, layout, calib: torch.Tensor, batch: int) -> dict[tup
     return stats
 
 
+def input_of(p: str) -> str:
+    """Which statistics a projection reads: `W_O` the attention context, the others the layer input."""
+    return "ctx" if p == "o" else "in"
+
+
+def attention_weights(model, layout) -> dict[tuple[int, str], torch.Tensor]:
+    """A copy of every attention projection's weight, `(out, in)`, keyed by layer and projection."""
+    return {(index, p): get_module(layer, getattr(layout, p)).weight.detach().clone()
+            for index, layer in enumerate(decoder_layers(model, layout)) for p in "qkvo"}
+
+
 def svd_llm_weights(model, layout, stats: dict, ratio: float) -> dict[tuple[int, str], torch.Tensor]:
     """SVD-LLM's truncation of every attention projection, `(out, in)` like the modules' weights."""
     method = SVDLLM(keep_ratio=ratio)
@@ -78,7 +89,7 @@ def svd_llm_weights(model, layout, stats: dict, ratio: float) -> dict[tuple[int,
     for index, layer in enumerate(decoder_layers(model, layout)):
         for p in "qkvo":
             w = get_module(layer, getattr(layout, p)).weight.detach().T  # (in, out)
-            a, b, _ = method.factor(w, stats[index, "ctx" if p == "o" else "in"], method.rank(p, *w.shape))
+            a, b, _ = method.factor(w, stats[index, input_of(p)], method.rank(p, *w.shape))
             found[index, p] = (a @ b).T.to(w.dtype)
     return found
 
@@ -90,9 +101,7 @@ def ftc_weights(loaded: tuple, options: CompressOptions) -> dict[tuple[int, str]
         compress(options, Path(tmp) / "artifact", loaded=loaded, progress=False)
         export_dense(Path(tmp) / "artifact", Path(tmp) / "dense", dtype="float32")
         exported, _ = load_model(resolve_model(str(Path(tmp) / "dense")))
-    layout = layout_of(exported.config)
-    return {(index, p): get_module(layer, getattr(layout, p)).weight.detach().clone()
-            for index, layer in enumerate(decoder_layers(exported, layout)) for p in "qkvo"}
+    return attention_weights(exported, layout_of(exported.config))
 
 
 @torch.no_grad()
@@ -103,12 +112,11 @@ def measure(alias: str, method: str, ratio: float, windows: int) -> dict:
     options = CompressOptions(model=alias, ratio=ratio, calib_samples=CALIBRATION_SAMPLES, seq_len=512, seed=0)
     stats = input_statistics(model, layout, calibration_batch(tokenizer, options, layout.hidden), options.batch_size)
     layers = decoder_layers(model, layout)
-    original = {(index, p): get_module(layer, getattr(layout, p)).weight.detach().clone()
-                for index, layer in enumerate(layers) for p in "qkvo"}
+    original = attention_weights(model, layout)
     compressed = (svd_llm_weights(model, layout, stats, ratio) if method == "svd_llm"
                   else ftc_weights((model, tokenizer, source), options))
     lost = {p: [weighted_error(original[index, p].T, compressed[index, p].T,
-                               stats[index, "ctx" if p == "o" else "in"].gram) for index in range(len(layers))]
+                               stats[index, input_of(p)].gram) for index in range(len(layers))]
             for p in "qkvo"}
     ids = tokenize(tokenizer, load_text("wikitext2-tune", "test"))
 
