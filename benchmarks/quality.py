@@ -570,8 +570,9 @@ def main() -> None:
         run_tasks_part(loaded, base, options_for, args.methods, args.ratios, args.limit, args.task_batch_size,
                        part_out, model_label(args.model))
         return
-    results["calibration"] = ("32 x 512 tokens of the WikiText-2 validation file's raw text before its tuning "
-                              "split (`wikitext2-tune`), seed 0")
+    from structures import CALIBRATION  # a sibling script, imported as when run (as `run_structures` below)
+
+    results["calibration"] = CALIBRATION
     if args.model != DEFAULT_MODEL or whole:  # the historical file names neither
         results |= {"model": args.model, "scope": args.scope}
     datasets = [d for d in DATASETS if d == "wikitext2" or args.ptb]

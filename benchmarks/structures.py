@@ -179,11 +179,17 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
+CALIBRATION = ("32 x 512 tokens of the WikiText-2 validation file's raw text before its tuning split "
+               "(`wikitext2-tune`), seed 0")
+"""What every cell's `compress` reads (`calibration_batch` with the benchmarks' options), recorded in
+each results file; here, not in quality.py, which imports this module (never the other way)."""
+
+
 def run(loaded, test_ids, ratios: list[float], windows: int, out: Path, dense: dict | None = None,
         allocation: str = "uniform") -> dict:
     """Fill `out` (JSON) with the FTC and CP cells at `ratios` under `allocation`, saving after each cell."""
     results = json.loads(out.read_text()) if out.exists() else {"cells": {}}
-    results["calibration"] = "32 x 512 tokens of the WikiText-2 validation file, seed 0"
+    results["calibration"] = CALIBRATION
     results["machine"] = f"CPU, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores (shared)"
     if dense is not None:
         results["dense"] = dense
