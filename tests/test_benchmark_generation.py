@@ -4,21 +4,13 @@ and the three agreement scores against the dense model's answers."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # generation.py imports quality.py as a sibling, as when run
-try:
-    spec = importlib.util.spec_from_file_location("generation", BENCHMARKS / "generation.py")
-    generation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generation)
-finally:
-    sys.path.remove(str(BENCHMARKS))
+from tests.support.benchmarks import load_benchmark
+
+generation = load_benchmark("generation")
 
 
 def test_the_shipped_prompts_are_fifty_with_unique_ids_and_accepted_answers():

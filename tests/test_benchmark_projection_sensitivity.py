@@ -3,28 +3,17 @@ and both committed tables render from their JSON as committed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+from tests.support.benchmarks import BENCHMARKS, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sensitivity():
-    sys.path.insert(0, str(BENCHMARKS))  # the benchmark imports its sibling `quality` as the scripts do
-    try:
-        path = BENCHMARKS / "projection_sensitivity.py"
-        spec = importlib.util.spec_from_file_location("projection_sensitivity", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load_benchmark("projection_sensitivity")
 
 
 @pytest.mark.parametrize("name", ["projection_sensitivity", "projection_sensitivity_ftc"])

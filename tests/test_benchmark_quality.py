@@ -3,16 +3,13 @@ was, and the whole-model table with PTB, sizes and the MLP ablation."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
-spec = importlib.util.spec_from_file_location("quality", BENCHMARKS / "quality.py")
-quality = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(quality)
+from tests.support.benchmarks import load_benchmark
+
+quality = load_benchmark("quality")
 
 
 @pytest.mark.parametrize(("kind", "model", "scope", "name"), [

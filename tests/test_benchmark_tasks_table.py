@@ -3,13 +3,9 @@ others have written instead of overwriting it."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests.support.benchmarks import load_benchmark
 
-spec = importlib.util.spec_from_file_location(
-    "quality_tasks", Path(__file__).parents[1] / "benchmarks" / "quality_tasks.py")
-quality_tasks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(quality_tasks)
+quality_tasks = load_benchmark("quality_tasks")
 
 
 def _cell(method: str, avg: float) -> dict:
