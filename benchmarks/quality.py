@@ -76,8 +76,7 @@ CALIBRATION_SAMPLES = 32
 
 def model_label(model: str) -> str:
     """The model with where its weights come from, quoted beside every number."""
-    alias = ALIASES[model]
-    return f"{alias.title} ({alias.origin})"
+    return ALIASES[model].label
 
 
 def results_file(kind: str, model: str, scope: str) -> Path:
@@ -595,7 +594,8 @@ def main() -> None:
     if args.part == "structures":  # Tucker against CP at equal storage, benchmarks/structures.py
         from structures import run as run_structures
 
-        run_structures(loaded, test_ids["wikitext2"], args.ratios, args.windows, part_out, results["dense"])
+        run_structures(loaded, test_ids["wikitext2"], args.ratios, args.windows, part_out, results["dense"],
+                       model=args.model)
         return
     jobs = []
     if args.part in ("all", "main", "calibration"):

@@ -278,5 +278,4 @@ if __name__ == "__main__":
     parser.add_argument("results", type=Path, help="e.g. benchmarks/results/tasks_limit400.json")
     parser.add_argument("--model", default="smollm2-135m", choices=list(ALIASES), help="the model it measured")
     args = parser.parse_args()
-    alias = ALIASES[args.model]
-    rewrite(args.results, f"{alias.title} ({alias.origin})")
+    rewrite(args.results, ALIASES[args.model].label)

