@@ -196,12 +196,10 @@ def run(loaded, test_ids, ratios: list[float], windows: int, out: Path, dense: d
         allocation: str = "uniform", model: str = DEFAULT_MODEL) -> dict:
     """Fill `out` (JSON) with the FTC and CP cells of `model` (its alias; `loaded` holds it) at
     `ratios` under `allocation`, saving after each cell."""
-    results = json.loads(out.read_text()) if out.exists() else {"cells": {}}
+    results = json.loads(out.read_text()) if out.exists() else {"cells": {}, "model": model}
     if (held := results.get("model", DEFAULT_MODEL)) != model:
         raise SystemExit(f"--out {out} holds {held}'s cells, not {model}'s: name another file")
     results["calibration"] = CALIBRATION
-    if model != DEFAULT_MODEL:  # the earlier files name none
-        results["model"] = model
     results["machine"] = f"CPU, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores (shared)"
     if dense is not None:
         results["dense"] = dense

@@ -33,3 +33,10 @@ def test_a_file_of_one_model_takes_no_cells_of_another(tmp_path):
     with pytest.raises(SystemExit, match="holds smollm2-135m's cells, not gemma3-270m's"):
         structures.run(None, None, [0.4], 64, out, model="gemma3-270m")
     assert json.loads(out.read_text()) == {"cells": {}}
+
+
+def test_a_new_file_is_the_model_s_own(tmp_path):
+    out = tmp_path / "structures_gemma3-270m.json"
+    assert structures.run(None, None, [], 64, out, model="gemma3-270m")["model"] == "gemma3-270m"
+    assert json.loads(out.read_text())["model"] == "gemma3-270m"
+    assert structures.run(None, None, [], 64, out, model="gemma3-270m")["cells"] == {}  # and is read again
