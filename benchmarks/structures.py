@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ftc.compression.compress import CompressOptions, compress
+from ftc.compression.sensitivity import CACHE_ENV
 from ftc.evaluation.data import bos_prefix
 from ftc.evaluation.evaluate import perplexity
 from ftc.models.registry import ALIASES
@@ -245,10 +246,12 @@ def main() -> None:
     from ftc.runtime.loading import load_model
 
     torch.manual_seed(0)
+    # the committed layer lists, as quality.py reads them: `--allocation sensitivity` measures only new ones
+    os.environ.setdefault(CACHE_ENV, str(RESULTS / "plans"))
     source = resolve_model(args.model)
     model, tokenizer = load_model(source)
     if args.layer_errors is not None:
-        results = json.loads(args.out.read_text()) if args.out.exists() else {"cells": {}}
+        results = json.loads(args.out.read_text()) if args.out.exists() else {"cells": {}, "model": args.model}
         results["layer_errors"] = layer_errors(model, tokenizer, args.layer_errors, args.ratios)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
