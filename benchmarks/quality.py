@@ -36,6 +36,8 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from structures import CALIBRATION, DEFAULT_MODEL, model_suffix  # a sibling script, imported as when run
+from structures import run as run_structures
 
 from ftc.compression.compress import CompressOptions, calibration_batch, compress
 from ftc.compression.pipeline import layer_inputs, propagate
@@ -56,8 +58,6 @@ VARIANTS = {"ftc_uniform": {"method": "ftc", "allocation": "uniform"},
             "ftc_sensitivity": {"method": "ftc", "allocation": "sensitivity"}}
 """Table columns that are a method with other options than its defaults. `ftc` is FTC with the
 default allocation (`ftc.options.default_allocation`); the variant that repeats it is not run."""
-DEFAULT_MODEL = "smollm2-135m"
-"""The model of the historical results files (quality.json, tasks.json): their names carry no model."""
 DATASETS = ("wikitext2", "ptb")
 """Test sets of every new cell; WikiText-2 is the headline (`ppl`), the others sit under their name."""
 MODEL_SCOPE_RATIOS = (0.8, 0.6, 0.4)
@@ -83,7 +83,7 @@ def results_file(kind: str, model: str, scope: str) -> Path:
     """`benchmarks/results/<kind>[_model_scope][_<model>].json`; SmolLM2 attention-only keeps the
     names its files had before there was a second model or scope."""
     return RESULTS / (kind + ("_model_scope" if scope == "model" else "")
-                      + ("" if model == DEFAULT_MODEL else f"_{model}") + ".json")
+                      + model_suffix(model) + ".json")
 
 
 def methods_of_scope(methods: list[str], scope: str) -> list[str]:
@@ -569,8 +569,6 @@ def main() -> None:
         run_tasks_part(loaded, base, options_for, args.methods, args.ratios, args.limit, args.task_batch_size,
                        part_out, model_label(args.model))
         return
-    from structures import CALIBRATION  # a sibling script, imported as when run (as `run_structures` below)
-
     results["calibration"] = CALIBRATION
     if args.model != DEFAULT_MODEL or whole:  # the historical file names neither
         results |= {"model": args.model, "scope": args.scope}
@@ -592,8 +590,6 @@ def main() -> None:
         results["dense"] |= evaluated(model, {d: test_ids[d] for d in missing}, args.windows, bos_prefix(tokenizer))
         save()
     if args.part == "structures":  # Tucker against CP at equal storage, benchmarks/structures.py
-        from structures import run as run_structures
-
         run_structures(loaded, test_ids["wikitext2"], args.ratios, args.windows, part_out, results["dense"],
                        model=args.model)
         return

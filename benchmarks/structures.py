@@ -41,7 +41,13 @@ STRUCTURES = {"ftc": "error_refit", "cp": "error_fit"}
 """Method -> manifest key of its per-layer whitened, balanced relative error."""
 SHAPE_KEYS = {"ftc": ("r1", "r2", "K"), "cp": ("R", "sweeps", "extrapolated")}
 DEFAULT_MODEL = "smollm2-135m"
-"""The model of the files named without one (structures.json and its kin)."""
+"""The model of the historical results files (quality.json, structures.json, tasks.json): their names
+carry no model. Here, not in quality.py, which imports this module (never the other way)."""
+
+
+def model_suffix(model: str) -> str:
+    """What a results file's name adds for `model`: nothing for the historical model, `_<model>` else."""
+    return "" if model == DEFAULT_MODEL else f"_{model}"
 
 
 def cell_key(method: str, ratio: float, allocation: str = "uniform") -> str:
@@ -236,8 +242,7 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(ALIASES))
     parser.add_argument("--out", type=Path, default=None, help="default: structures[_<model>].json under results")
     args = parser.parse_args()
-    named = "" if args.model == DEFAULT_MODEL else f"_{args.model}"  # as quality.py names its files
-    args.out = args.out or RESULTS / f"structures{named}.json"
+    args.out = args.out or RESULTS / f"structures{model_suffix(args.model)}.json"
     if args.render:
         args.out.with_suffix(".md").write_text(render(json.loads(args.out.read_text())))
         return
@@ -258,7 +263,7 @@ def main() -> None:
         args.out.with_suffix(".md").write_text(render(results))
         return
     test_ids = tokenize(tokenizer, load_text("wikitext2", "test"))
-    quality = RESULTS / f"quality{named}.json"
+    quality = RESULTS / f"quality{model_suffix(args.model)}.json"
     dense = json.loads(quality.read_text()).get("dense") if quality.exists() else None
     if dense is None or dense["windows"] != args.windows:
         dense = perplexity(model, test_ids, 512, args.windows, progress=False, prefix=bos_prefix(tokenizer))
