@@ -1,6 +1,6 @@
-"""Which layout a runtime form's matrices read fastest in, per dtype: the measurement behind the
-forms being held input-major, and behind the 16-bit output-major layout tried and not kept
-(ftc-method.md §9).
+"""Which layout and kernel a runtime form's matrices read fastest with, per dtype: the measurement
+behind float32 forms being held input-major, and 16-bit ones output-major with one-row products on
+PyTorch's own kernel (ftc-method.md §9).
 
     .venv/bin/python benchmarks/gemv_layouts.py            # under a minute, alone on the machine
 
@@ -11,6 +11,12 @@ large. Per dtype and token count (1 and 8: decoding at batch 1 and 8; 2048: a pr
 shape is timed in both layouts over enough distinct matrices (about 600 MB) that they stream from
 memory as a served model's weights do, not from the cache. Shapes: those of SmolLM2-135M's groups
 (`x @ U1` and `M` of a Q/K/V and of a gate/up group, the two factors of `W_O` and `W_down`).
+
+A third column runs the output-major product with oneDNN switched off (`torch.backends.mkldnn`):
+a 16-bit product on the CPU then goes to PyTorch's own kernel, which at one row is a dot product
+per output streamed at memory speed, where oneDNN's matmul runs far below it (this machine's CPU
+has AVX512-BF16); at a few rows and more that kernel is slower than oneDNN's. In float32 both
+columns run MKL's GEMM, so the column shows the noise.
 
 Writes benchmarks/results/gemv_layouts.{json,md}.
 """
@@ -53,30 +59,41 @@ def measure(dtype: torch.dtype, rows: int, cols: int, tokens: int, repeats: int)
     x = torch.randn(tokens, rows, dtype=dtype)
     t_in = seconds_per_product(lambda: [x @ w for w in inputs], count, repeats)
     t_out = seconds_per_product(lambda: [F.linear(x, w) for w in outputs], count, repeats)
+    with torch.backends.mkldnn.flags(enabled=False):
+        t_own = seconds_per_product(lambda: [F.linear(x, w) for w in outputs], count, repeats)
     return {"dtype": str(dtype).removeprefix("torch."), "shape": [rows, cols], "tokens": tokens,
             "input_major_us": round(t_in * 1e6, 2), "output_major_us": round(t_out * 1e6, 2),
-            "output_major_speedup": round(t_in / t_out, 3)}
+            "output_major_speedup": round(t_in / t_out, 3), "own_kernel_us": round(t_own * 1e6, 2),
+            "own_kernel_speedup": round(t_in / t_own, 3)}
 
 
 def render(results: dict) -> str:
-    lines = ["# Layouts of a form's matrices: input-major (`x @ W`) against output-major (`F.linear`)", "",
+    lines = ["# Layouts of a form's matrices: input-major (`x @ W`) against output-major (`F.linear`), "
+             "with oneDNN and with PyTorch's own kernel", "",
              f"Command: `{results['command']}`", "", f"Machine: {results['machine']}", "",
              "Each cell: microseconds per product, the median of the repeats, matrices streamed from memory "
-             "for 1 and 8 tokens. Speedup > 1: output-major is faster.", ""]
+             "for 1 and 8 tokens. Speedup > 1: faster than input-major. \"own kernel\": output-major with oneDNN "
+             "off (`torch.backends.mkldnn.flags(enabled=False)`).", ""]
     for dtype in sorted({r["dtype"] for r in results["rows"]}):
-        lines += [f"## {dtype}", "", "| shape (in x out) | tokens | input-major us | output-major us | speedup |",
-                  "|---|---|---|---|---|"]
+        lines += [f"## {dtype}", "", "| shape (in x out) | tokens | input-major us | output-major us | speedup "
+                  "| own kernel us | speedup |", "|---|---|---|---|---|---|---|"]
         for r in results["rows"]:
             if r["dtype"] == dtype:
                 lines.append(f"| {r['shape'][0]} x {r['shape'][1]} | {r['tokens']} | {r['input_major_us']} | "
-                             f"{r['output_major_us']} | {r['output_major_speedup']:.2f}x |")
+                             f"{r['output_major_us']} | {r['output_major_speedup']:.2f}x | "
+                             f"{r.get('own_kernel_us', '-')} | {_x(r.get('own_kernel_speedup'))} |")
         for tokens in TOKENS:
-            ratios = [r["output_major_speedup"] for r in results["rows"]
-                      if r["dtype"] == dtype and r["tokens"] == tokens]
-            lines.append(f"\n{tokens} token(s): output-major speedup, median over the shapes "
-                         f"{statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}x)")
+            for key, label in (("output_major_speedup", "output-major"), ("own_kernel_speedup", "own kernel")):
+                ratios = [r[key] for r in results["rows"] if r["dtype"] == dtype and r["tokens"] == tokens and key in r]
+                if ratios:
+                    lines.append(f"\n{tokens} token(s): {label} speedup, median over the shapes "
+                                 f"{statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}x)")
         lines.append("")
     return "\n".join(lines)
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def main() -> None:

@@ -109,11 +109,13 @@ class Variant:
     folder: str | None = None
     unavailable: str | None = None
     unmapped: bool = False  # dense only: its weights read with `pread` as FTC's loader reads them
+    own_kernel: bool = False  # dense only: one-token forwards off oneDNN, as a 16-bit FTC model's run
 
     @property
     def label(self) -> str:
         if self.scope == "dense":
-            return "dense, weights read unmapped" if self.unmapped else "dense"
+            return ("dense, weights read unmapped" if self.unmapped else
+                    "dense, one-token steps off oneDNN" if self.own_kernel else "dense")
         if self.scope == "attention":
             return f"attention rho {self.ratio}"
         return f"whole model keep {self.ratio} (-{round(100 * (1 - self.ratio))}%)"
@@ -133,11 +135,15 @@ def compress_to(folder: Path, model: str, ratio: float, scope: str, calib_sample
 
 
 def dense_variants(folder: Path) -> list[Variant]:
-    """The dense model loaded as transformers loads it (the reference of every ratio), and the same
+    """The dense model loaded as transformers loads it (the reference of every ratio); the same
     weights read without mapping the file, as FTC's loader reads an artifact: the like-for-like
-    control of the peak RSS (and a second dense process in each speed block, a measure of noise)."""
+    control of the peak RSS (and a second dense process in each speed block, a measure of noise);
+    and the dense model whose one-token forwards run off oneDNN, as an FTC model's do in 16-bit
+    dtypes (ftc-method.md §9): what of a 16-bit FTC decode's gain is that kernel's alone.
+    In float32 the switch changes nothing (MKL's GEMM either way): a third dense process."""
     return [Variant("dense", "dense", folder=str(folder)),
-            Variant("dense-unmapped", "dense", folder=str(folder), unmapped=True)]
+            Variant("dense-unmapped", "dense", folder=str(folder), unmapped=True),
+            Variant("dense-own-kernel", "dense", folder=str(folder), own_kernel=True)]
 
 
 def ftc_variants(make: Callable[[float, str], Path], ratios: tuple[float, ...],
@@ -374,6 +380,10 @@ def worker(job: dict) -> dict:
         model = load_unmapped(dense_cls.from_pretrained, weights, config, dtype=dtype).to(device).eval()
     elif job["scope"] == "dense":
         model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=dtype).to(device).eval()
+        if job.get("own_kernel"):
+            from ftc.runtime.hf.modeling_ftc import one_token_off_onednn
+
+            model.forward = one_token_off_onednn(model.forward)
     else:
         from ftc.runtime.artifact import load_compressed
 
@@ -464,7 +474,7 @@ def measure_block(variants: list[Variant], base_job: dict, kind: str, repeats: i
         shift = repeat % len(live)
         for variant in live[shift:] + live[:shift]:
             job = {**base_job, "kind": kind, "scope": variant.scope, "folder": variant.folder,
-                   "unmapped": variant.unmapped}
+                   "unmapped": variant.unmapped, "own_kernel": variant.own_kernel}
             started = time.perf_counter()
             sample = run_worker(job, timeout)
             progress["done"] += 1

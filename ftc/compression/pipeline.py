@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ftc.models.arch import AttentionLayout, decoder_layers, get_module, layer_types, projection_weights, set_module
 from ftc.models.weights import WeightSource, materialize, release
 from ftc.numerics.metric import Moments, accumulate_product, gram_buffer
-from ftc.runtime.hf.modeling_ftc import place
+from ftc.runtime.hf.modeling_ftc import place, trim_heap
 from ftc.runtime.stored import build_modules
 
 from .methods import ContextStats, Group, Method
@@ -402,7 +402,7 @@ def _compress_attention(layer: nn.Module, layout: AttentionLayout, method: Metho
     phases.lap("qkv")
     ctx = contexts = None
     if trim:
-        trim_host_memory()
+        trim_heap()
     if method.needs_data:
         # the context of the stream's own Q/K/V is kept for propagation when the pass computes it
         replay = method.stream if method.stream == "teacher" or method.needs_student_context else None
@@ -421,7 +421,7 @@ def _compress_attention(layer: nn.Module, layout: AttentionLayout, method: Metho
     replacements = {**qkv_modules, **_modules([o_group], biases, layout, compute_dtype)}
     del ctx  # the Grams are spent; propagation below is the layer's other memory peak
     if trim:
-        trim_host_memory()
+        trim_heap()
     phases.lap("o")
     return [*qkv_groups, o_group], {**qkv_report, **o_report}, replacements, contexts
 
@@ -473,14 +473,6 @@ class _PhaseClock:
 
     def seconds(self) -> dict[str, float]:
         return {name: round(s, 3) for name, s in self._seconds.items()}
-
-
-def trim_host_memory() -> None:
-    """Return freed heap pages to the OS (glibc): per-layer buffers otherwise stay resident."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 MAPPED_BYTES = 1 << 20
@@ -567,7 +559,7 @@ def compress_layers(
             result.layers.append(layer_result)
         if weights is not None:
             release(model, name)
-            trim_host_memory()
+            trim_heap()
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -622,7 +614,7 @@ def survey_layers(
         if weights is not None:
             release(model, name)
             if bounded:
-                trim_host_memory()
+                trim_heap()
     return surveys
 
 

@@ -714,8 +714,9 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
     and the streams move on through the original layer.
     """
     from ftc.models.weights import materialize_embedding_rows
+    from ftc.runtime.hf.modeling_ftc import trim_heap
 
-    from .pipeline import after_attention, compress_layer, map_large_allocations, propagate, trim_host_memory
+    from .pipeline import after_attention, compress_layer, map_large_allocations, propagate
 
     bounded = not weights.resident  # streamed from disk: keep host memory low, as `compress_layers` does
     if bounded:
@@ -768,7 +769,7 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
                 errors = tuple(sum(planner.curves[p][i] for p in parts) for i in range(len(ratios)))
                 curves.append(UnitCurve(index, unit, tuple(ratios), errors, divergence, errors[at]))
         if bounded:
-            trim_host_memory()
+            trim_heap()
     return curves
 
 

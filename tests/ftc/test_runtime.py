@@ -232,6 +232,28 @@ def test_the_speed_forms_convert_and_scatter_nothing_per_forward(name):
         assert calls.names.count("matmul") == form_costs(spec)[form].gemms
 
 
+@pytest.mark.parametrize("name", sorted(GROUPS))
+def test_sixteen_bit_forms_are_held_output_major(name):
+    spec, tensors, weights = GROUPS[name]
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(3), dtype=D)
+    expected = torch.einsum("nd,sdw->nsw", x, weights).flatten(-2)
+    for form in form_costs(spec):
+        group = build_group(spec, tensors, torch.bfloat16)
+        group.use_form(form)
+        operands = [t for n, t in group.named_parameters() if n in group.operands]
+        if form == "stored":  # kept as stored, so it saves back as it was read
+            assert not group.one_row_ready
+            continue
+        assert operands and all(t.stride(0) == 1 for t in operands), form  # output-major: `nn.Linear`'s layout
+        assert group.one_row_ready
+        with torch.no_grad():
+            assert _rel(group(x.to(torch.bfloat16)).double(), expected) < 3e-2, form  # bfloat16 rounding only
+        assert not group.to(torch.float32).one_row_ready  # float32 runs MKL's GEMM either way
+    fp32 = build_group(spec, tensors, torch.float32, runtime="speed")
+    assert all(t.stride(-1) == 1 for t in fp32.parameters()) and not fp32.one_row_ready
+    assert not fp32.to(torch.bfloat16).one_row_ready  # input-major: PyTorch's own kernel would be slower
+
+
 # --- MLP groups: widths of their own, gate/up installed together -----------------------------------
 
 
@@ -325,6 +347,19 @@ def test_speed_and_memory_forms_give_the_same_logits_and_generation(layout, tiny
         assert _rel(_logits(forced), _logits(memory)) < 1e-5, form
 
 
+class _Kernels(TorchFunctionMode):
+    """Whether oneDNN was switched on at each matrix product inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.onednn: list[bool] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("matmul", "linear"):
+            self.onednn.append(torch.backends.mkldnn.enabled)
+        return func(*args, **(kwargs or {}))
+
+
 def test_bfloat16_loads_and_to_convert_the_prepared_tensors(tiny_artifact):
     folder = tiny_artifact("qwen2_bias")
     memory, _, _ = load_artifact(folder, torch.bfloat16, runtime="memory")
@@ -335,6 +370,17 @@ def test_bfloat16_loads_and_to_convert_the_prepared_tensors(tiny_artifact):
         assert {p.dtype for g in groups for p in g.parameters()} == {torch.bfloat16}
         assert _rel(_logits(model), _logits(memory)) < 3e-2  # bfloat16 rounding only
     assert _rel(_logits(speed), _logits(load_artifact(folder)[0])) < 3e-2
+    # loaded in bfloat16, the forms are held output-major and a one-token step runs off oneDNN;
+    # converted after loading, they stay input-major and every step on it
+    assert speed.ftc_one_row and not moved.ftc_one_row and not memory.ftc_one_row
+    assert not speed.to(torch.float32).ftc_one_row and speed.to(torch.bfloat16).ftc_one_row
+    for model, ids, onednn in ((speed, IDS[:1, :1], {False}), (speed, IDS[:1, :2], {True}),
+                               (speed, IDS[:, :1], {True}), (moved, IDS[:1, :1], {True})):
+        with _Kernels() as kernels:
+            _logits(model, ids)
+        assert set(kernels.onednn) == onednn, (ids.shape, onednn)
+    assert torch.backends.mkldnn.enabled  # switched back on
+    assert torch.equal(_generate(speed), _generate(speed, cache=False))
 
 
 def test_a_speed_form_model_refuses_to_save_and_says_how(tiny_artifact, tmp_path):

@@ -29,8 +29,10 @@ in `choose_form`, a pure function of the group's shapes:
 The `speed` runtime (the default) takes, of the forms with no per-forward rebuild, the one with
 the lowest cost per token: multiply-adds plus values read (`FormCost`). The prepared tensors are
 in the compute dtype, so a forward converts nothing and scatters nothing; `.to()` converts them
-like any parameter. A group keeps only its form's tensors, so only the `stored` form can be saved
-back (`state_dict` of another form raises and says how to load for saving).
+like any parameter. Loaded in a 16-bit dtype on the CPU they are held output-major, and a
+one-token forward runs off oneDNN, on PyTorch's own kernel (`one_row_ready`). A group keeps only
+its form's tensors, so only the `stored` form can be saved back (`state_dict` of another form
+raises and says how to load for saving).
 
 Self-contained on purpose: this file is copied next to the weights and imports only torch and
 transformers, so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` works
@@ -39,9 +41,11 @@ wherever transformers does; `ftc_runtime="memory"` there selects the stored form
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -57,6 +61,8 @@ RUNTIMES = ("speed", "memory")
 """`speed` runs each group in its cheapest form (`choose_form`); `memory` in its stored form."""
 
 FORMS = ("stored", "factored", "merged", "dense")
+
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,6 +105,13 @@ last (`U2`, `B`) and hand out column views of the whole output, as the split for
 `SPLIT_ROWS` rows. Why (ftc-method.md §9): on strided column views the attention's reshapes and the
 MLP's `act(gate) * up` run slower, which in a bfloat16 prefill outweighs the one GEMM saved; at one
 decoded token the extra product's call costs more than the views."""
+
+ONE_ROW_DTYPES = (torch.bfloat16, torch.float16)
+"""Compute dtypes whose forms are held output-major on the CPU and whose one-token forwards run off
+oneDNN (`one_row_ready`): oneDNN's matmul, which PyTorch picks for every 16-bit product, streams a
+decoded token's weights at a fraction of memory speed, and PyTorch's own kernel, a dot product per
+output of an output-major matrix (`nn.Linear`'s layout), at 1.8-4x that (ftc-method.md §9,
+`benchmarks/results/gemv_layouts.md`). From two rows on oneDNN is faster, so it keeps them."""
 
 SPLIT_ROWS = 16
 """Input rows (tokens in the batch) from which the split forms split: a prefill splits, a decoding
@@ -185,6 +198,52 @@ def unpack_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
     return ((bits.unsqueeze(-1) >> shifts) & 1).flatten()[:count].bool()
 
 
+def off_onednn(run: Callable[[], T]) -> T:
+    """`run()` with oneDNN switched off, so its 16-bit products go to PyTorch's own kernel.
+
+    The switch (`torch.backends.mkldnn.enabled`) is process-wide: a second thread running a
+    product meanwhile also runs it off oneDNN (the same result within float rounding, maybe slower)."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        return run()
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
+def one_row_ready(model: nn.Module) -> bool:
+    """Whether `model`'s one-token forwards (decoding at batch 1) run off oneDNN (`off_onednn`): its
+    output head is in a 16-bit dtype on the CPU and every factor group is `one_row_ready`. The
+    other products of such a step (the head, projections left whole) are `nn.Linear`s, output-major
+    already. A group converted after loading stays input-major, and the step stays on oneDNN."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    return (weight is not None and weight.dtype in ONE_ROW_DTYPES and weight.device.type == "cpu"
+            and all(g.one_row_ready for g in model.modules() if isinstance(g, FactorGroup)))
+
+
+def one_token_off_onednn(forward: Callable[..., T]) -> Callable[..., T]:
+    """A causal LM's bound `forward` that runs a one-token call off oneDNN: what an FTC model does
+    when `one_row_ready`, for any model (`benchmarks/inference.py`'s dense control)."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if _one_token(args, kwargs):
+            return off_onednn(lambda: forward(*args, **kwargs))
+        return forward(*args, **kwargs)
+
+    return run
+
+
+def _one_token(args: tuple, kwargs: dict) -> bool:
+    """Whether a causal LM's forward call is one token of one sequence."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        embeds = kwargs.get("inputs_embeds")
+        return embeds is not None and embeds.shape[:-1].numel() == 1
+    return ids.numel() == 1
+
+
 def _version(x: torch.Tensor) -> int:
     # inference-mode tensors keep no version counter (reading it raises, at the cost of a C++
     # exception per call: asked first)
@@ -204,6 +263,9 @@ class FactorGroup(nn.Module):
     first = "A"
     """The factor applied to the input first, kept as stored by the `factored` and `merged` forms."""
 
+    operands: frozenset[str] = frozenset({"A", "B", "W"})
+    """The form tensors a forward applies as `x @ T`: held output-major in `ONE_ROW_DTYPES` on the CPU."""
+
     def __init__(self, spec: dict) -> None:
         super().__init__()
         self.spec = {key: value for key, value in spec.items() if key != "values"}
@@ -212,6 +274,7 @@ class FactorGroup(nn.Module):
         self.single = len(self.members) == 1
         self.form = "stored"
         self._run = self._stored
+        self.one_row_ready = False  # see `_refresh_kernel`
         self._pending: tuple[torch.Tensor, int, set[str], torch.Tensor] | None = None
         self.in_features = spec["shapes"][self.first][0]
         for name, shape in spec["shapes"].items():
@@ -297,10 +360,29 @@ class FactorGroup(nn.Module):
             tensors = self.form_tensors(form)
         for name in [*self._parameters, *self._buffers]:
             delattr(self, name)
+        some = next(iter(tensors.values()))
+        output_major = some.dtype in ONE_ROW_DTYPES and some.device.type == "cpu"
         for name, tensor in tensors.items():
-            self.register_parameter(name, nn.Parameter(tensor.contiguous(), requires_grad=False))
+            held = tensor.T.contiguous().T if output_major and name in self.operands else tensor.contiguous()
+            self.register_parameter(name, nn.Parameter(held, requires_grad=False))
         self.form, self._run = form, getattr(self, f"_{form}")
+        self._refresh_kernel()
         return form
+
+    def _refresh_kernel(self) -> None:
+        """`one_row_ready`: every operand held output-major, in a 16-bit dtype, on the CPU, so a
+        one-row product may leave oneDNN (`one_row_ready` of the model). Not otherwise: PyTorch's own
+        kernel reads an input-major matrix a column at a time, 2-8x slower than oneDNN (ftc-method.md
+        §9), and the stored form is kept as stored."""
+        held = [t for n, t in self._parameters.items() if n in self.operands and t is not None]
+        self.one_row_ready = bool(held) and self.form != "stored" and all(
+            t.dtype in ONE_ROW_DTYPES and t.device.type == "cpu" and t.ndim == 2 and t.stride(0) == 1 for t in held)
+
+    def _apply(self, fn, recurse: bool = True):
+        # `.to()` keeps the layout (preserve_format) but may change the dtype or the device
+        module = super()._apply(fn, recurse)
+        self._refresh_kernel()
+        return module
 
     def _work(self) -> tuple[torch.dtype, torch.dtype]:
         """`(compute dtype, dtype the form tensors are computed in)`."""
@@ -374,6 +456,7 @@ class TuckerGroup(SlicedGroup):
     """
 
     first = "U1"
+    operands = frozenset({"U1", "G", "U2t", "M", "W"})
 
     def __init__(self, spec: dict) -> None:
         super().__init__(spec)
@@ -447,6 +530,8 @@ class CPGroup(SlicedGroup):
     The latent `x @ A` is computed once for all slices; the per-slice scaling and `B^T` are one
     broadcast product and one GEMM over every slice at once.
     """
+
+    operands = frozenset({"A", "M", "W"})  # `B` is applied transposed, `C` element-wise
 
     @property
     def width(self) -> int:
@@ -584,11 +669,28 @@ def install_groups(model: nn.Module, block: dict) -> None:
 
 def prepare_groups(model: nn.Module, runtime: str = "speed") -> list[dict]:
     """Run every factor group of `model` in the form `runtime` chooses (`choose_form`), one group
-    at a time (so the extra memory at any moment is one group's); returns `runtime_forms`."""
+    at a time (so the extra memory at any moment is one group's); returns `runtime_forms`.
+
+    The freed stored tensors and the forms' float32 temporaries are handed back to the OS at the
+    end (`trim_heap`): they lie between the forms in the heap, and without it the allocator keeps
+    them resident for the life of a serving process (bfloat16, SmolLM2 keep 0.6: 738 MiB after
+    loading without the trim, 617 MiB with it; docs/results.md)."""
     for group in model.modules():
         if isinstance(group, FactorGroup):
             group.prepare(runtime)
+    trim_heap()
     return runtime_forms(model)
+
+
+def trim_heap() -> None:
+    """glibc's `malloc_trim(0)`: return the heap's free pages to the OS; nothing elsewhere. Also
+    what the compression calls between layers, whose per-layer buffers would otherwise stay resident."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): freed pages stay with the allocator
+        pass
 
 
 def runtime_forms(model: nn.Module) -> list[dict]:
@@ -682,6 +784,19 @@ def _build_family(base_type: str) -> None:
     def __init__(self, config, *args, **kwargs):
         base_model.__init__(self, config, *args, **kwargs)
         install_groups(self, config.ftc)
+        self.ftc_one_row = False  # set once the groups are prepared (`one_row_ready`)
+
+    @functools.wraps(base_model.forward)  # generate reads the base signature's arguments
+    def forward(self, *args, **kwargs):
+        if self.ftc_one_row and _one_token(args, kwargs):
+            return off_onednn(lambda: base_model.forward(self, *args, **kwargs))
+        return base_model.forward(self, *args, **kwargs)
+
+    def _apply(self, fn, recurse: bool = True):
+        module = base_model._apply(self, fn, recurse)
+        if hasattr(self, "ftc_one_row"):  # a conversion after loading: the dtype or device may change
+            self.ftc_one_row = one_row_ready(self)
+        return module
 
     def from_pretrained(cls, *args, ftc_runtime: str | None = None, **kwargs):
         """The base class's loading, then every group moved to the form of `ftc_runtime` ("speed",
@@ -699,6 +814,7 @@ def _build_family(base_type: str) -> None:
             model = load_unmapped(load, weights, config, **kwargs)
             model.name_or_path = model.config.name_or_path = str(args[0])
         prepare_groups(model, ftc_runtime or getattr(model.config, "ftc_runtime", None) or "speed")
+        model.ftc_one_row = one_row_ready(model)
         return model
 
     def ftc_forms(self) -> list[dict]:
@@ -709,6 +825,8 @@ def _build_family(base_type: str) -> None:
         "config_class": config_cls,
         "_auto_class": "AutoModelForCausalLM",  # save_pretrained copies this file and keeps `auto_map`
         "__init__": __init__,
+        "forward": forward,
+        "_apply": _apply,
         "from_pretrained": classmethod(from_pretrained),
         "ftc_forms": ftc_forms,
         "__module__": __name__,
