@@ -81,19 +81,14 @@ def render(results: dict) -> str:
             if r["dtype"] == dtype:
                 lines.append(f"| {r['shape'][0]} x {r['shape'][1]} | {r['tokens']} | {r['input_major_us']} | "
                              f"{r['output_major_us']} | {r['output_major_speedup']:.2f}x | "
-                             f"{r.get('own_kernel_us', '-')} | {_x(r.get('own_kernel_speedup'))} |")
+                             f"{r['own_kernel_us']} | {r['own_kernel_speedup']:.2f}x |")
         for tokens in TOKENS:
             for key, label in (("output_major_speedup", "output-major"), ("own_kernel_speedup", "own kernel")):
-                ratios = [r[key] for r in results["rows"] if r["dtype"] == dtype and r["tokens"] == tokens and key in r]
-                if ratios:
-                    lines.append(f"\n{tokens} token(s): {label} speedup, median over the shapes "
-                                 f"{statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}x)")
+                ratios = [r[key] for r in results["rows"] if r["dtype"] == dtype and r["tokens"] == tokens]
+                lines.append(f"\n{tokens} token(s): {label} speedup, median over the shapes "
+                             f"{statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}x)")
         lines.append("")
     return "\n".join(lines)
-
-
-def _x(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def main() -> None:

@@ -274,7 +274,6 @@ class FactorGroup(nn.Module):
         self.single = len(self.members) == 1
         self.form = "stored"
         self._run = self._stored
-        self.one_row_ready = False  # see `_refresh_kernel`
         self._pending: tuple[torch.Tensor, int, set[str], torch.Tensor] | None = None
         self.in_features = spec["shapes"][self.first][0]
         for name, shape in spec["shapes"].items():
@@ -366,23 +365,18 @@ class FactorGroup(nn.Module):
             held = tensor.T.contiguous().T if output_major and name in self.operands else tensor.contiguous()
             self.register_parameter(name, nn.Parameter(held, requires_grad=False))
         self.form, self._run = form, getattr(self, f"_{form}")
-        self._refresh_kernel()
         return form
 
-    def _refresh_kernel(self) -> None:
-        """`one_row_ready`: every operand held output-major, in a 16-bit dtype, on the CPU, so a
-        one-row product may leave oneDNN (`one_row_ready` of the model). Not otherwise: PyTorch's own
-        kernel reads an input-major matrix a column at a time, 2-8x slower than oneDNN (ftc-method.md
-        §9), and the stored form is kept as stored."""
+    @property
+    def one_row_ready(self) -> bool:
+        """Every operand held output-major, in a 16-bit dtype, on the CPU, so a one-row product may
+        leave oneDNN (`one_row_ready` of the model). Not otherwise: PyTorch's own kernel reads an
+        input-major matrix a column at a time, 2-8x slower than oneDNN (ftc-method.md §9), and the
+        stored form is kept as stored. Read from the tensors, so a `.to()` after loading (which keeps
+        the layout but may change the dtype or the device) is seen as it is."""
         held = [t for n, t in self._parameters.items() if n in self.operands and t is not None]
-        self.one_row_ready = bool(held) and self.form != "stored" and all(
+        return bool(held) and self.form != "stored" and all(
             t.dtype in ONE_ROW_DTYPES and t.device.type == "cpu" and t.ndim == 2 and t.stride(0) == 1 for t in held)
-
-    def _apply(self, fn, recurse: bool = True):
-        # `.to()` keeps the layout (preserve_format) but may change the dtype or the device
-        module = super()._apply(fn, recurse)
-        self._refresh_kernel()
-        return module
 
     def _work(self) -> tuple[torch.dtype, torch.dtype]:
         """`(compute dtype, dtype the form tensors are computed in)`."""
