@@ -42,8 +42,11 @@ ABLATIONS: tuple[str, ...] = (
     "no_key_weight",
     "mlp_per_matrix",
     "mlp_mode2",
+    "wo_loss_metric",
 )
-"""One-at-a-time removals of FTC components (ftc-method.md §3-§8, §17)."""
+"""One-at-a-time removals of FTC components (ftc-method.md §3-§8, §17), and variants of one
+(`kv_repeat`, `wo_student_metric`, `mlp_mode2`; `wo_loss_metric`, which adds the loss gradient's
+metric to `W_O`'s truncation, §8)."""
 MLP_ABLATIONS: tuple[str, ...] = ("mlp_per_matrix", "mlp_mode2")
 """Ablations of how the MLP is compressed: they need scope `model`."""
 

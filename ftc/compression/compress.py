@@ -46,7 +46,9 @@ from ftc.options import (
     validate_ratio,
 )
 from ftc.runtime.artifact import LayerStore, assemble, extra_names, layer_entry, layer_tensors
+from ftc.runtime.hf.modeling_ftc import trim_heap
 
+from .gradients import loss_gradient_grams
 from .methods import Method, make_method
 from .pipeline import compress_layers, layer_inputs, planned, survey_layers
 from .sensitivity import UNITS, PlanStore, cache_folder, search_budgets, streamed_budgets, whole_model
@@ -173,6 +175,9 @@ def compress(
         elif method.plans:
             method = plan_budgets(method, weights, layout, calib, options, device, progress, plan_store=plan_store,
                                   resident=None if loaded is None else loaded[0])
+        if "wo_loss_metric" in method.ablations:
+            method = with_loss_metric(method, weights, layout, calib, device, progress,
+                                      resident=None if loaded is None else loaded[0])
         temporary = work_dir is None
         # the method's fixed choices (sink and key weights, anchor...) too: layers written by a version
         # that made other choices must not be mixed into this run's artifact
@@ -216,6 +221,17 @@ def plan_budgets(method: Method, weights, layout: AttentionLayout, calib: torch.
     release(model, embed)
     surveys = survey_layers(model, layout, method, stream, device=device, weights=weights, progress=progress)
     return planned(method, surveys, layout)
+
+
+def with_loss_metric(method: Method, weights, layout: AttentionLayout, calib: torch.Tensor, device: torch.device,
+                     progress: bool, resident: torch.nn.Module | None = None) -> Method:
+    """`method` with the loss gradient's Gram at every `W_O` output (`wo_loss_metric`, §8), from one
+    backward pass per calibration sequence through the whole original model, held for that pass only."""
+    model = whole_model(weights, device, resident)
+    grams = loss_gradient_grams(model, layout, calib, device, progress)
+    del model
+    trim_heap()
+    return dataclasses.replace(method, output_grams=tuple(grams))
 
 
 def storage_dtype(name: str) -> torch.dtype:
@@ -386,10 +402,13 @@ def plan(options: CompressOptions) -> dict:
     n_layers = len(model.get_submodule(layout.layers_path))
     stream_bytes = tokens * layout.hidden * 4
     workspace = 8 * layout.hidden**2 * 3 + 4 * layout.qkv_params * 4  # Grams (float64) + tensor copies
-    # asvd's rank search and --allocation sensitivity plan on the whole model, resident in float32
+    # asvd's rank search and `wo_loss_metric`'s backward pass hold the whole model, in float32; the
+    # latter keeps a float64 Gram of the hidden size per layer for the whole compression
     method = make_method(options.method, options.ratio, storage_dtype(options.dtype), options.ablate,
                          options.allocation, options.scope)
-    whole = 4 * _parameter_count(model, config) if method.whole_model_plan else 0
+    loss_metric = "wo_loss_metric" in method.ablations
+    whole = 4 * _parameter_count(model, config) if method.whole_model_plan or loss_metric else 0
+    workspace += 8 * layout.hidden**2 * n_layers if loss_metric else 0
     if options.scope == "model":  # the MLP's Grams: W_down's input is `intermediate` wide
         workspace += 8 * layout.intermediate**2 * 3 + 4 * layout.mlp_in_params * 4
     parts = layout.part_params("model")

@@ -131,6 +131,11 @@ class Method:
     "v", "gate", "up"), from `plan`; `"whole"` lists the units a layer keeps uncompressed (`whole`)."""
     layer_budget: dict | None = None
     """The entry of `budgets` for the layer being compressed (set by `at_layer`)."""
+    output_grams: tuple[torch.Tensor, ...] | None = field(default=None, compare=False, repr=False)
+    """Per layer, the loss gradient's Gram at the `W_O` output (`wo_loss_metric`, §8;
+    `ftc.compression.gradients`), else None."""
+    output_gram: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """The entry of `output_grams` for the layer being compressed (set by `at_layer`)."""
     scope: str = "attention"
     """`attention`: Q/K/V and `W_O` only; `model`: the MLP projections too, at the same ratio (§17)."""
     name: ClassVar[str] = ""  # set by @register
@@ -215,10 +220,12 @@ class Method:
         raise NotImplementedError
 
     def at_layer(self, index: int) -> Method:
-        """This method with the budgets of layer `index`, when a plan gave it some."""
-        if self.budgets is None:
+        """This method with the budgets of layer `index`, when a plan gave it some, and its output
+        metric, when it has one."""
+        if self.budgets is None and self.output_grams is None:
             return self
-        return dataclasses.replace(self, layer_budget=self.budgets[index])
+        return dataclasses.replace(self, layer_budget=None if self.budgets is None else self.budgets[index],
+                                   output_gram=None if self.output_grams is None else self.output_grams[index])
 
     def values(self, part: str, full: int) -> int:
         """Stored values this layer may spend on `part`: the plan's, else `keep_ratio * full` (§1)."""
@@ -561,7 +568,9 @@ class FTC(Method):
             del teacher, student
             target, eps_solve = calibrated_wo(lhs, rhs, w_o)
             del lhs, rhs, w_o  # the pipeline hands W_O over: its float32 copy (64 MB at 4096) goes here
-        (a, b), whitening = guarded_whitened_svd(target, None if "no_whiten" in self.ablations else metric, rank)
+        output = self.output_gram if part == "o" else None  # `wo_loss_metric`: K-FAC's metric
+        (a, b), whitening = guarded_whitened_svd(target, None if "no_whiten" in self.ablations else metric, rank,
+                                                 output)
         return self._lowrank(part, a, b), {"rank": rank, "eps": whitening.eps, "eps_solve": eps_solve,
                                            "anchor": anchor}
 

@@ -263,3 +263,33 @@ def test_the_compressed_wo_is_the_best_of_its_rank_for_the_anchored_objective():
     u, s, vh = torch.linalg.svd(root @ stacked.solution)
     best = torch.linalg.solve(root, u[:, :rank] * s[:rank]) @ vh[:rank]
     assert objective(ours) <= objective(best) * (1 + 1e-4)
+
+
+def test_an_output_metric_makes_the_truncation_the_best_of_its_rank_in_kfacs_metric():
+    """With `out_gram` `H`, `guarded_whitened_svd` minimises `tr(C dW H dW^T)` (`wo_loss_metric`, §8)
+    in the damped metrics it whitens by: its error there is the tail of the singular values of
+    `C^(1/2) W H^(1/2)` (another route: eigen square roots), and in the undamped metric it beats the
+    input metric's own truncation, which ignores `H`."""
+    from ftc.numerics.lowrank import OUTPUT_EPS, guarded_whitened_svd
+
+    x, g = _activations(400, 16), _activations(300, 10) @ torch.diag(torch.logspace(1, -1, 10, dtype=D))
+    gram, out_gram = x.T @ x / x.shape[0], g.T @ g
+    w, rank = torch.randn(16, 10, dtype=D), 4
+
+    def kfac(approx: torch.Tensor, c: torch.Tensor = gram, h: torch.Tensor = out_gram) -> float:
+        dw = w - approx
+        return float(torch.trace(c @ dw @ h @ dw.T))
+
+    def root(c: torch.Tensor) -> torch.Tensor:
+        values, vectors = torch.linalg.eigh(c)
+        return vectors @ torch.diag(values.clamp_min(0).sqrt()) @ vectors.T
+
+    (a, b), white = guarded_whitened_svd(w, gram, rank, out_gram)
+    (a_in, b_in), _ = guarded_whitened_svd(w, gram, rank)
+    c, h = damp(gram, white.eps), damp(out_gram, OUTPUT_EPS)
+    tail = float(torch.linalg.svdvals(root(c) @ w @ root(h))[rank:].pow(2).sum())
+    assert a.shape == (16, rank) and b.shape == (rank, 10)
+    assert kfac(a @ b, c, h) == pytest.approx(tail, rel=1e-6)
+    assert kfac(a @ b) < kfac(a_in @ b_in) * 0.9
+    (a_id, b_id), _ = guarded_whitened_svd(w, gram, rank, torch.eye(10, dtype=D))
+    torch.testing.assert_close(a_id @ b_id, a_in @ b_in)  # an isotropic H is the input metric alone

@@ -8,10 +8,12 @@ the finished run), layer `l` and later original.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from ftc.compression.gradients import loss_gradient_grams
 from ftc.compression.methods import SINK_WEIGHT, make_method
 from ftc.compression.pipeline import layer_inputs, survey_layers
 from ftc.models.arch import decoder_layers, get_module, layout_of, set_module
@@ -36,22 +38,27 @@ class Recorder:
         return getattr(self.method, name)
 
     def at_layer(self, index: int):
-        assert self.method.budgets is None  # uniform budgets: the wrapped method is the same at every layer
+        assert self.method.budgets is None  # uniform budgets: only `wo_loss_metric`'s output metric varies
+        self.layer = self.method.at_layer(index)
         return self
 
     def qkv(self, weights, x, layout):
         self.grams.append(x.gram.clone())
-        return self.method.qkv(weights, x, layout)
+        return self.layer.qkv(weights, x, layout)
 
     def o(self, w_o, ctx, layout):
         self.contexts.append(copy.deepcopy(ctx))  # FTC's `o` takes the Grams over and spends them
-        return self.method.o(w_o, ctx, layout)
+        return self.layer.o(w_o, ctx, layout)
 
 
 def _run(ablations=(), layers: int = 2, ratio: float = 0.4, scope: str = "attention"):
     model = tiny_model("gqa", layers=layers)
     layout = layout_of(model.config)
-    method = Recorder(make_method("ftc", ratio, torch.float32, ablations, scope=scope))
+    method = make_method("ftc", ratio, torch.float32, ablations, scope=scope)
+    if "wo_loss_metric" in ablations:  # attached before the wrapper, which `compress_model` cannot replace
+        grams = loss_gradient_grams(model, layout, CALIB, torch.device("cpu"), progress=False)
+        method = dataclasses.replace(method, output_grams=tuple(grams))
+    method = Recorder(method)
     compress_model(model, layout, method, CALIB, device=torch.device("cpu"), batch_size=4, progress=False)
     return model, layout, method
 

@@ -236,11 +236,14 @@ def serve_in_thread(app, port: int | None = None) -> Iterator[str]:
     """Run an ASGI app under uvicorn in a background thread; yields its base URL.
 
     Real HTTP (streaming included) at the cost of milliseconds, so each test can have its own app.
+    A connection still open at the end (a dashboard page's event stream) is closed after
+    `timeout_graceful_shutdown` seconds: without it the stop waited out the whole `join` (15 s a test).
     """
     import uvicorn
 
     port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
