@@ -48,7 +48,7 @@ from ftc.options import (
 from ftc.runtime.artifact import LayerStore, assemble, extra_names, layer_entry, layer_tensors
 from ftc.runtime.hf.modeling_ftc import trim_heap
 
-from .gradients import loss_gradient_grams
+from .gradients import with_loss_metric
 from .methods import Method, make_method
 from .pipeline import compress_layers, layer_inputs, planned, survey_layers
 from .sensitivity import UNITS, PlanStore, cache_folder, search_budgets, streamed_budgets, whole_model
@@ -175,9 +175,10 @@ def compress(
         elif method.plans:
             method = plan_budgets(method, weights, layout, calib, options, device, progress, plan_store=plan_store,
                                   resident=None if loaded is None else loaded[0])
-        if "wo_loss_metric" in method.ablations:
-            method = with_loss_metric(method, weights, layout, calib, device, progress,
-                                      resident=None if loaded is None else loaded[0])
+        if method.loss_metric:  # the whole model held for its backward passes only
+            method = with_loss_metric(method, whole_model(weights, device, None if loaded is None else loaded[0]),
+                                      layout, calib, device, progress)
+            trim_heap()
         temporary = work_dir is None
         # the method's fixed choices (sink and key weights, anchor...) too: layers written by a version
         # that made other choices must not be mixed into this run's artifact
@@ -221,17 +222,6 @@ def plan_budgets(method: Method, weights, layout: AttentionLayout, calib: torch.
     release(model, embed)
     surveys = survey_layers(model, layout, method, stream, device=device, weights=weights, progress=progress)
     return planned(method, surveys, layout)
-
-
-def with_loss_metric(method: Method, weights, layout: AttentionLayout, calib: torch.Tensor, device: torch.device,
-                     progress: bool, resident: torch.nn.Module | None = None) -> Method:
-    """`method` with the loss gradient's Gram at every `W_O` output (`wo_loss_metric`, §8), from one
-    backward pass per calibration sequence through the whole original model, held for that pass only."""
-    model = whole_model(weights, device, resident)
-    grams = loss_gradient_grams(model, layout, calib, device, progress)
-    del model
-    trim_heap()
-    return dataclasses.replace(method, output_grams=tuple(grams))
 
 
 def storage_dtype(name: str) -> torch.dtype:
@@ -406,9 +396,8 @@ def plan(options: CompressOptions) -> dict:
     # latter keeps a float64 Gram of the hidden size per layer for the whole compression
     method = make_method(options.method, options.ratio, storage_dtype(options.dtype), options.ablate,
                          options.allocation, options.scope)
-    loss_metric = "wo_loss_metric" in method.ablations
-    whole = 4 * _parameter_count(model, config) if method.whole_model_plan or loss_metric else 0
-    workspace += 8 * layout.hidden**2 * n_layers if loss_metric else 0
+    whole = 4 * _parameter_count(model, config) if method.whole_model_plan or method.loss_metric else 0
+    workspace += 8 * layout.hidden**2 * n_layers if method.loss_metric else 0
     if options.scope == "model":  # the MLP's Grams: W_down's input is `intermediate` wide
         workspace += 8 * layout.intermediate**2 * 3 + 4 * layout.mlp_in_params * 4
     parts = layout.part_params("model")

@@ -13,6 +13,9 @@ whole model in memory (as `asvd`'s search does) and is a variant, not the defaul
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +23,9 @@ from tqdm.auto import tqdm
 
 from ftc.models.arch import AttentionLayout, decoder_layers, get_module
 from ftc.numerics.metric import WORK_DTYPE, accumulate_gram, mirror_upper
+
+if TYPE_CHECKING:
+    from .methods import Method
 
 
 def loss_gradient_grams(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, device: torch.device,
@@ -65,4 +71,11 @@ def loss_gradient_grams(model: nn.Module, layout: AttentionLayout, ids: torch.Te
     return grams
 
 
-__all__ = ["loss_gradient_grams"]
+def with_loss_metric(method: Method, model: nn.Module, layout: AttentionLayout, ids: torch.Tensor,
+                     device: torch.device, progress: bool = True) -> Method:
+    """`method` with the loss gradient's Gram at every `W_O` output (`Method.output_grams`) of `model`,
+    the whole original model, on the calibration `ids`."""
+    return dataclasses.replace(method, output_grams=tuple(loss_gradient_grams(model, layout, ids, device, progress)))
+
+
+__all__ = ["loss_gradient_grams", "with_loss_metric"]

@@ -219,6 +219,12 @@ class Method:
         """Per-layer budgets (stored values by part) from every layer's survey (§13)."""
         raise NotImplementedError
 
+    @property
+    def loss_metric(self) -> bool:
+        """Whether `W_O` is truncated in the loss gradient's metric too (`wo_loss_metric`, §8): its
+        `output_grams` are then measured on the whole original model before compression."""
+        return "wo_loss_metric" in self.ablations
+
     def at_layer(self, index: int) -> Method:
         """This method with the budgets of layer `index`, when a plan gave it some, and its output
         metric, when it has one."""

@@ -62,6 +62,7 @@ from ftc.options import (
     method_ratio_problem,
 )
 from ftc.runtime.artifact import atomic_write_bytes
+from ftc.runtime.hf.modeling_ftc import trim_heap
 
 from .pipeline import compress_layer, layer_inputs
 
@@ -714,7 +715,6 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
     and the streams move on through the original layer.
     """
     from ftc.models.weights import materialize_embedding_rows
-    from ftc.runtime.hf.modeling_ftc import trim_heap
 
     from .pipeline import after_attention, compress_layer, map_large_allocations, propagate
 

@@ -10,9 +10,11 @@ import torch
 from ftc.numerics import lowrank
 from ftc.numerics import metric as metric_module
 from ftc.numerics.lowrank import (
+    OUTPUT_EPS,
     anchored_rhs,
     budget_rank,
     calibrated_wo,
+    guarded_whitened_svd,
     scaled_svd,
     truncated_svd,
     weighted_error,
@@ -270,8 +272,6 @@ def test_an_output_metric_makes_the_truncation_the_best_of_its_rank_in_kfacs_met
     in the damped metrics it whitens by: its error there is the tail of the singular values of
     `C^(1/2) W H^(1/2)` (another route: eigen square roots), and in the undamped metric it beats the
     input metric's own truncation, which ignores `H`."""
-    from ftc.numerics.lowrank import OUTPUT_EPS, guarded_whitened_svd
-
     x, g = _activations(400, 16), _activations(300, 10) @ torch.diag(torch.logspace(1, -1, 10, dtype=D))
     gram, out_gram = x.T @ x / x.shape[0], g.T @ g
     w, rank = torch.randn(16, 10, dtype=D), 4

@@ -8,12 +8,11 @@ the finished run), layer `l` and later original.
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 
-from ftc.compression.gradients import loss_gradient_grams
+from ftc.compression.gradients import with_loss_metric
 from ftc.compression.methods import SINK_WEIGHT, make_method
 from ftc.compression.pipeline import layer_inputs, survey_layers
 from ftc.models.arch import decoder_layers, get_module, layout_of, set_module
@@ -55,9 +54,8 @@ def _run(ablations=(), layers: int = 2, ratio: float = 0.4, scope: str = "attent
     model = tiny_model("gqa", layers=layers)
     layout = layout_of(model.config)
     method = make_method("ftc", ratio, torch.float32, ablations, scope=scope)
-    if "wo_loss_metric" in ablations:  # attached before the wrapper, which `compress_model` cannot replace
-        grams = loss_gradient_grams(model, layout, CALIB, torch.device("cpu"), progress=False)
-        method = dataclasses.replace(method, output_grams=tuple(grams))
+    if method.loss_metric:  # attached before the wrapper, which `compress_model` cannot replace
+        method = with_loss_metric(method, model, layout, CALIB, torch.device("cpu"), progress=False)
     method = Recorder(method)
     compress_model(model, layout, method, CALIB, device=torch.device("cpu"), batch_size=4, progress=False)
     return model, layout, method

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ftc.compression.compress import CompressOptions, calibration_batch, compress
-from ftc.compression.gradients import loss_gradient_grams
+from ftc.compression.gradients import with_loss_metric
 from ftc.compression.methods import Method, make_method
 from ftc.compression.pipeline import PipelineResult, compress_layers, layer_inputs, planned, survey_layers
 from ftc.compression.sensitivity import search_budgets
@@ -35,9 +35,8 @@ def compress_model(
     progress: bool = False,
 ) -> PipelineResult:
     """Compress `model` in place with `method`, every layer resident (small models only)."""
-    if "wo_loss_metric" in method.ablations and method.output_grams is None:  # as compress() does
-        grams = loss_gradient_grams(model, layout, calibration, device, progress)
-        method = dataclasses.replace(method, output_grams=tuple(grams))
+    if method.loss_metric and method.output_grams is None:  # as compress() does
+        method = with_loss_metric(method, model, layout, calibration, device, progress)
     stream = layer_inputs(model, layout, calibration, batch_size, device) if method.needs_data else None
     if method.budgets is None:  # a manifest's method (`method_of`) is planned already
         if method.whole_model_plan:  # ASVD's rank search, on the resident model, as compress() does
