@@ -43,10 +43,11 @@ ABLATIONS: tuple[str, ...] = (
     "mlp_per_matrix",
     "mlp_mode2",
     "wo_loss_metric",
+    "loss_metric",
 )
 """One-at-a-time removals of FTC components (ftc-method.md §3-§8, §17), and variants of one
 (`kv_repeat`, `wo_student_metric`, `mlp_mode2`; `wo_loss_metric`, which adds the loss gradient's
-metric to `W_O`'s truncation, §8)."""
+metric to `W_O`'s truncation, §8, and `loss_metric`, which adds it to Q/K/V's head dimension too, §5)."""
 MLP_ABLATIONS: tuple[str, ...] = ("mlp_per_matrix", "mlp_mode2")
 """Ablations of how the MLP is compressed: they need scope `model`."""
 

@@ -392,12 +392,14 @@ def plan(options: CompressOptions) -> dict:
     n_layers = len(model.get_submodule(layout.layers_path))
     stream_bytes = tokens * layout.hidden * 4
     workspace = 8 * layout.hidden**2 * 3 + 4 * layout.qkv_params * 4  # Grams (float64) + tensor copies
-    # asvd's rank search and `wo_loss_metric`'s backward pass hold the whole model, in float32; the
-    # latter keeps a float64 Gram of the hidden size per layer for the whole compression
+    # asvd's rank search and the loss metric's backward pass hold the whole model, in float32; the
+    # latter keeps a float64 Gram of the hidden size per layer for the whole compression, and under
+    # `loss_metric` one of the head size per head slice during the pass
     method = make_method(options.method, options.ratio, storage_dtype(options.dtype), options.ablate,
                          options.allocation, options.scope)
     whole = 4 * _parameter_count(model, config) if method.whole_model_plan or method.loss_metric else 0
     workspace += 8 * layout.hidden**2 * n_layers if method.loss_metric else 0
+    workspace += 8 * layout.slices * layout.head_dim**2 * n_layers if "qkv" in method.loss_parts else 0
     if options.scope == "model":  # the MLP's Grams: W_down's input is `intermediate` wide
         workspace += 8 * layout.intermediate**2 * 3 + 4 * layout.mlp_in_params * 4
     parts = layout.part_params("model")

@@ -7,16 +7,17 @@ applying a weight, a bound or a budget fails here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from ftc.compression.methods import make_method
+from ftc.compression.methods import HEAD_EPS, make_method
 from ftc.models.arch import layout_of
 from ftc.numerics.lowrank import weighted_error
-from ftc.numerics.metric import Moments
+from ftc.numerics.metric import Moments, damp
 from ftc.numerics.tucker import head_concat, hosvd, project_core, prune_refit, refit, top_k_mask, tucker_error
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_config, tiny_model
@@ -127,3 +128,34 @@ def test_every_layer_stays_within_its_uniform_budget_counted_from_the_tensors(me
         for spec, tensors in layer.groups:
             budget = int(ratio * layout.qkv_params) if len(spec["proj"]) == 3 else int(ratio * sizes[spec["proj"][0]])
             assert _stored(spec, tensors) <= budget, (layer.index, spec["proj"])
+
+
+def test_a_head_metric_weighs_the_fit_by_it():
+    """`loss_metric` (§5): with one metric `H = L L^T` on the head dimension, FTC fits `W_s L` as it fits
+    `W_s` and maps `U2` back, so its stored Q/K/V has the lower error in K-FAC's metric
+    `tr(C dW H dW^T)` (weighted and balanced as §4), the plain fit the lower error in the plain one, the
+    report carries the former, and an isotropic `H` is the plain fit."""
+    weights, x, layout = _layer()
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(200, layout.head_dim, generator=g, dtype=D) * torch.logspace(1, -1, layout.head_dim, dtype=D)
+    head = rows.T @ rows
+    plain = make_method("ftc", 0.4, torch.float32)
+    loss = dataclasses.replace(make_method("ftc", 0.4, torch.float32, ("loss_metric",)), output_metric={"qkv": head})
+    tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim)
+    right = torch.linalg.cholesky(damp(head, HEAD_EPS))
+    key_weights = torch.ones(layout.slices, dtype=D)
+    key_weights[layout.heads : layout.heads + layout.kv_heads] = layout.heads // layout.kv_heads
+
+    def errors(method) -> tuple[float, float, dict]:
+        groups, report = method.qkv(weights, x, layout)
+        approx = _slices(groups, layout)
+        return (weighted_error(tensor @ right, approx @ right, x.gram, True, key_weights),
+                weighted_error(tensor, approx, x.gram, True, key_weights), report)
+
+    loss_kfac, loss_plain, report = errors(loss)
+    plain_kfac, plain_plain, _ = errors(plain)
+    assert loss_kfac < plain_kfac * 0.95 and plain_plain < loss_plain * 0.95
+    assert report["error_activation"] == pytest.approx(loss_kfac, rel=1e-4)
+    isotropic = dataclasses.replace(loss, output_metric={"qkv": 3.0 * torch.eye(layout.head_dim, dtype=D)})
+    torch.testing.assert_close(_slices(isotropic.qkv(weights, x, layout)[0], layout),
+                               _slices(plain.qkv(weights, x, layout)[0], layout), rtol=1e-4, atol=1e-5)

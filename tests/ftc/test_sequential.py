@@ -37,7 +37,7 @@ class Recorder:
         return getattr(self.method, name)
 
     def at_layer(self, index: int):
-        assert self.method.budgets is None  # uniform budgets: only `wo_loss_metric`'s output metric varies
+        assert self.method.budgets is None  # uniform budgets: only the loss metrics' output metrics vary
         self.layer = self.method.at_layer(index)
         return self
 
