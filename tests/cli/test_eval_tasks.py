@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli.main import main
 from ftc.evaluation.tasks import TASK_DIR
 
 FTC = [sys.executable, "-m", "cli"]
@@ -42,23 +43,28 @@ def lm_eval_run(launcher: list[str], model: str, model_args: str, out: Path) -> 
     return {"results": results, "loglikelihoods": loglikelihoods}
 
 
-def test_task_dir_and_bad_task_input_are_one_line_errors(tiny_folder, tmp_path):
-    done = run(FTC, "eval", "--task-dir")
-    assert done.returncode == 0 and Path(done.stdout.strip()) == TASK_DIR
+def test_task_dir_and_bad_task_input_are_one_line_errors(tiny_folder, tmp_path, capsys, monkeypatch):
+    """In process (`cli.main`), as tests/cli/test_bad_input.py: the exit code and the one stderr line are
+    the command line's; six interpreters started for them cost half a minute."""
+    assert main(["eval", "--task-dir"]) == 0
+    assert Path(capsys.readouterr().out.strip()) == TASK_DIR
     assert (TASK_DIR / "ftc_arc_easy.yaml").is_file()
     model = str(tiny_folder("gqa"))
-    for args, env, message in (
+    capsys.readouterr()  # the fixture's own progress bar
+    for args, data_dir, message in (
         (["--tasks", "arc_easy,winogrande"], None, "unknown task winogrande; choose from arc_easy"),
-        (["--tasks", "piqa"], {"FTC_DATA_DIR": str(tmp_path)},
-         f"task piqa needs {tmp_path}/tasks/piqa_validation.jsonl; set FTC_DATA_DIR"),
+        (["--tasks", "piqa"], tmp_path, f"task piqa needs {tmp_path}/tasks/piqa_validation.jsonl; set FTC_DATA_DIR"),
         (["--tasks", "piqa", "--limit", "0"], None, "--limit must be >= 1"),
         (["--tasks", ""], None, "--tasks names no task"),
         (["--limit", "5"], None, "--limit and --num-fewshot apply to tasks; add --tasks"),
     ):
-        failed = run(FTC, "eval", "--model", model, *args, env=env)
-        assert failed.returncode == 2, failed.stderr
-        assert failed.stderr.strip().splitlines() == [f"ftc: error: {failed.stderr.strip()[len('ftc: error: '):]}"]
-        assert message in failed.stderr
+        with monkeypatch.context() as patch:
+            if data_dir is not None:
+                patch.setenv("FTC_DATA_DIR", str(data_dir))
+            assert main(["eval", "--model", model, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ftc: error: ") and err.count("\n") == 1, err
+        assert message in err
 
 
 def test_artifact_tasks_agree_across_ftc_eval_the_ftc_backend_and_hf_on_the_dense_export(tiny_folder, tmp_path):

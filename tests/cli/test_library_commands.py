@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from cli.main import main
+
 FTC = [sys.executable, "-m", "cli"]
 
 
@@ -63,15 +65,19 @@ def test_compress_then_eval_artifact_and_dense(model_dir, tmp_path):
         (["--out", "/proc/ftc-out"], "not writable"),
     ],
 )
-def test_bad_input_is_one_line_exit_2_and_no_output(model_dir, tmp_path, args, message):
+def test_bad_input_is_one_line_exit_2_and_no_output(model_dir, tmp_path, args, message, capsys, monkeypatch):
+    """In process (`cli.main`, as tests/cli/test_bad_input.py): the exit code and the stderr line are the
+    command line's, without an interpreter started per case."""
     out = tmp_path / "never"
     base = {"--model": str(model_dir), "--calib-samples": "4", "--seq-len": "64", "--out": str(out)}
     for flag, value in zip(args[::2], args[1::2], strict=True):
         base[flag] = value
     flat = [x for kv in base.items() for x in kv]
-    done = run("compress", "--device", "cpu", *flat, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()  # the fixture's own progress bar
+    assert main(["compress", "--device", "cpu", *flat]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
     assert not out.exists()
     assert not list(tmp_path.glob(".never.tmp-*"))
