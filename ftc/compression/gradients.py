@@ -10,7 +10,7 @@ K-FAC's metric `tr(C dW H dW^T)`:
 
 - `W_O`: the whole `hidden x hidden` Gram at its output (`ftc.numerics.lowrank.guarded_whitened_svd`);
 - Q/K/V (`loss_metric` only): their Tucker factor `U2` is shared by every head slice, so the metric
-  on the head dimension must be one `dh x dh` matrix for all slices (`output_metric_factor`): the mean
+  on the head dimension must be one `dh x dh` matrix for all slices (`shared_head_metric`): the mean
   over slices of each slice's Gram scaled to unit mean diagonal. Each slice's overall weight stays
   FTC's own (slice balancing and the key weight, §4); the loss metric only says which directions
   within a head matter.

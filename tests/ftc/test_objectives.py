@@ -60,10 +60,15 @@ def _errors(method, weights, x, layout) -> tuple[float, float, dict]:
     groups, report = method.qkv(weights, x, layout)
     tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim)
     approx = _slices(groups, layout)
-    key_weights = torch.ones(layout.slices, dtype=D)
-    key_weights[layout.heads : layout.heads + layout.kv_heads] = layout.heads // layout.kv_heads
-    return (weighted_error(tensor, approx, x.gram, True, key_weights),
+    return (weighted_error(tensor, approx, x.gram, True, _key_weights(layout)),
             weighted_error(tensor, approx, x.gram, True), report)
+
+
+def _key_weights(layout) -> torch.Tensor:
+    """§4's slice weights from their definition: `Hq / Hkv` for a key slice, 1 for the others."""
+    weights = torch.ones(layout.slices, dtype=D)
+    weights[layout.heads : layout.heads + layout.kv_heads] = layout.heads // layout.kv_heads
+    return weights
 
 
 def test_the_guard_measures_the_key_weighted_balanced_objective():
@@ -143,8 +148,7 @@ def test_a_head_metric_weighs_the_fit_by_it():
     loss = dataclasses.replace(make_method("ftc", 0.4, torch.float32, ("loss_metric",)), output_metric={"qkv": head})
     tensor = head_concat(weights["q"], weights["k"], weights["v"], layout.head_dim)
     right = torch.linalg.cholesky(damp(head, HEAD_EPS))
-    key_weights = torch.ones(layout.slices, dtype=D)
-    key_weights[layout.heads : layout.heads + layout.kv_heads] = layout.heads // layout.kv_heads
+    key_weights = _key_weights(layout)
 
     def errors(method) -> tuple[float, float, dict]:
         groups, report = method.qkv(weights, x, layout)
