@@ -9,9 +9,11 @@ GGUF (memory-mapped, dequantised per tensor), or a model already in memory. A mu
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -93,7 +95,8 @@ class GGUFSource:
         self._reader = GGUFReader(path)
         architecture = read_field(self._reader, "general.architecture")[0]
         self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-        to_hf = get_gguf_hf_weights_map(skeleton(config), self._processor)
+        with gguf_name_maps_once():
+            to_hf = get_gguf_hf_weights_map(skeleton(config), self._processor)
         self._tensors = {to_hf[t.name]: t for t in self._reader.tensors if t.name in to_hf}
 
     def names(self) -> list[str]:
@@ -113,6 +116,26 @@ class GGUFSource:
     @property
     def nbytes(self) -> int:
         return self.path.stat().st_size
+
+
+@contextlib.contextmanager
+def gguf_name_maps_once() -> Iterator[None]:
+    """gguf's tensor-name map built once per `(architecture, layers)` while the block runs.
+
+    transformers maps a GGUF's tensor names (`get_gguf_hf_weights_map`, which its own GGUF loading and
+    `GGUFSource` call) by walking every submodule of the model and building gguf's `TensorNameMap` anew
+    at each one: 397 times on SmolLM2-135M, the larger part of the seconds a GGUF takes to open. The map
+    is a function of its two arguments, so one per pair gives the same names. transformers imports the
+    function from the `gguf` module at each call, so it is replaced there for the block only.
+    """
+    import gguf
+
+    built = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(built)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = built
 
 
 class ModuleSource:

@@ -3,11 +3,13 @@ artifact through its own loader. It sits above both so that neither imports the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 from ftc.models.registry import ModelSource, load_tokenizer
+from ftc.models.weights import gguf_name_maps_once
 
 from .artifact import load_artifact
 
@@ -24,7 +26,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     logging.getLogger("transformers").setLevel(logging.ERROR)
     tokenizer = load_tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra)
+    with gguf_name_maps_once() if source.gguf_file else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra)
     config = model.config
     if getattr(config, "quantization_config", None) is not None and source.kind == "gguf":
         del config.quantization_config  # dequantised: the weights are plain tensors now
