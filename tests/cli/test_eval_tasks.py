@@ -14,7 +14,6 @@ import pytest
 from cli.main import main
 from ftc.evaluation.tasks import TASK_DIR
 
-FTC = [sys.executable, "-m", "cli"]
 LM_EVAL = [sys.executable, "-m", "lm_eval"]
 FTC_LM_EVAL = [sys.executable, "-m", "ftc.evaluation.harness"]
 TASKS = ("arc_easy", "boolq")
@@ -67,15 +66,18 @@ def test_task_dir_and_bad_task_input_are_one_line_errors(tiny_folder, tmp_path, 
         assert message in err
 
 
-def test_artifact_tasks_agree_across_ftc_eval_the_ftc_backend_and_hf_on_the_dense_export(tiny_folder, tmp_path):
+def test_artifact_tasks_agree_across_ftc_eval_the_ftc_backend_and_hf_on_the_dense_export(tiny_folder, tmp_path,
+                                                                                        capsys):
+    """`ftc compress`, `ftc eval` and `ftc export` run in process (`cli.main`: the command line's own
+    parsing and exit codes, without an interpreter and a torch import each); lm-eval runs as its users
+    run it, its own command line in a process of its own, once with the `ftc` backend, once with `hf`."""
     artifact, dense = tmp_path / "art", tmp_path / "dense"
-    done = run(FTC, "compress", "--model", str(tiny_folder("gqa")), "--ratio", "0.4", "--calib", "wikitext2",
-               "--calib-samples", "4", "--seq-len", "64", "--device", "cpu", "--out", str(artifact))
-    assert done.returncode == 0, done.stderr
-    done = run(FTC, "eval", str(artifact), "--tasks", ",".join(TASKS), "--limit", str(LIMIT), "--dataset",
-               "wikitext2", "--seq-len", "64", "--max-windows", "2", "--json", "--quiet", "--device", "cpu")
-    assert done.returncode == 0, done.stderr
-    ours = json.loads(done.stdout.strip().splitlines()[-1])
+    assert main(["compress", "--model", str(tiny_folder("gqa")), "--ratio", "0.4", "--calib", "wikitext2",
+                 "--calib-samples", "4", "--seq-len", "64", "--device", "cpu", "--quiet", "--out", str(artifact)]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(artifact), "--tasks", ",".join(TASKS), "--limit", str(LIMIT), "--dataset", "wikitext2",
+                 "--seq-len", "64", "--max-windows", "2", "--json", "--quiet", "--device", "cpu"]) == 0
+    ours = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ours["windows"] == 2 and ours["ppl"] > 1  # perplexity and tasks in one call
     assert set(ours["tasks"]) == set(TASKS) and all(row["n"] == LIMIT for row in ours["tasks"].values())
     assert ours["avg"] == pytest.approx(sum(row["acc"] for row in ours["tasks"].values()) / len(TASKS))
@@ -83,8 +85,7 @@ def test_artifact_tasks_agree_across_ftc_eval_the_ftc_backend_and_hf_on_the_dens
     # lm-eval's own command line with the `ftc` backend runs the artifact factorized...
     backend = lm_eval_run(FTC_LM_EVAL, "ftc", f"pretrained={artifact}", tmp_path / "ftc-backend")
     # ...and lm-eval's `hf` backend runs the stock dense export of the same artifact.
-    done = run(FTC, "export", str(artifact), "--out", str(dense), "--dtype", "float32")
-    assert done.returncode == 0, done.stderr
+    assert main(["export", str(artifact), "--out", str(dense), "--dtype", "float32"]) == 0
     stock = lm_eval_run(LM_EVAL, "hf", f"pretrained={dense},dtype=float32", tmp_path / "hf-backend")
     for task in TASKS:
         for scored in (backend, stock):

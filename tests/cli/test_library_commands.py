@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cli.main import main
-
-FTC = [sys.executable, "-m", "cli"]
 
 
 @pytest.fixture()
@@ -20,16 +15,11 @@ def model_dir(tiny_folder) -> Path:
     return tiny_folder("gqa")
 
 
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    return subprocess.run([*FTC, *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
-
-
-def test_compress_then_eval_artifact_and_dense(model_dir, tmp_path):
+def test_compress_then_eval_artifact_and_dense(model_dir, tmp_path, capsys):
+    """In process (`cli.main`): the command line's parsing and output without an interpreter per command."""
     out = tmp_path / "art"
-    done = run("compress", "--model", str(model_dir), "--method", "ftc", "--ratio", "0.4", "--calib",
-               "wikitext2", "--calib-samples", "4", "--seq-len", "64", "--device", "cpu", "--out", str(out))
-    assert done.returncode == 0, done.stderr
+    assert main(["compress", "--model", str(model_dir), "--method", "ftc", "--ratio", "0.4", "--calib", "wikitext2",
+                 "--calib-samples", "4", "--seq-len", "64", "--device", "cpu", "--quiet", "--out", str(out)]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["method"] == "ftc" and manifest["ratio"] == 0.4
     assert manifest["calibration"]["tokens"] == 256 and len(manifest["calibration"]["sha256"]) == 64
@@ -44,10 +34,10 @@ def test_compress_then_eval_artifact_and_dense(model_dir, tmp_path):
         assert (out / name).is_file()
     results = []
     for target in ([str(out)], ["--model", str(model_dir)]):
-        ev = run("eval", *target, "--dataset", "wikitext2", "--seq-len", "64", "--max-windows", "3", "--json",
-                 "--device", "cpu")
-        assert ev.returncode == 0, ev.stderr
-        results.append(json.loads(ev.stdout.strip().splitlines()[-1]))
+        capsys.readouterr()
+        assert main(["eval", *target, "--dataset", "wikitext2", "--seq-len", "64", "--max-windows", "3", "--json",
+                     "--device", "cpu"]) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     for r in results:
         assert {"dataset", "seq_len", "windows", "tokens", "ppl"} <= set(r)
         assert r["windows"] == 3 and r["tokens"] == 192 and r["ppl"] > 1

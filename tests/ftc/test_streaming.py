@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from cli.main import main
 from ftc.compression.compress import CompressOptions, compress
 from ftc.models.arch import UnsupportedModel, layout_of
 from ftc.numerics.metric import spilling
@@ -50,16 +51,18 @@ def test_streamed_sharded_run_equals_the_in_memory_run(layout_name, tiny_folder,
     assert manifest["resumed_from_layer"] == 0 and len(manifest["layers"]) == 3
 
 
-def _compress_cmd(folder, out, work, ratio="0.4"):
-    return [*FTC, "compress", "--model", str(folder), "--ratio", ratio, "--calib-samples", "8", "--seq-len", "128",
+def _compress_args(folder, out, work, ratio="0.4"):
+    return ["compress", "--model", str(folder), "--ratio", ratio, "--calib-samples", "8", "--seq-len", "128",
             "--device", "cpu", "--dtype", "float32", "--batch-size", "2", "--quiet", "--out", str(out),
             "--work-dir", str(work)]
 
 
-def test_a_killed_run_resumes_and_matches_an_uninterrupted_one(tiny_folder, tmp_path):
+def test_a_killed_run_resumes_and_matches_an_uninterrupted_one(tiny_folder, tmp_path, capsys):
+    """The run that is killed is a process of its own (SIGKILL); the resumed, uninterrupted and refused
+    runs go through the same command line in process (`cli.main`), without an interpreter each."""
     folder = tiny_folder("gqa", layers=8, hidden=256)
     work = tmp_path / "work"
-    proc = subprocess.Popen(_compress_cmd(folder, tmp_path / "resumed", work), stderr=subprocess.PIPE)
+    proc = subprocess.Popen([*FTC, *_compress_args(folder, tmp_path / "resumed", work)], stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while not (work / "layer-001.json").exists():
         assert proc.poll() is None, proc.stderr.read().decode()
@@ -68,20 +71,18 @@ def test_a_killed_run_resumes_and_matches_an_uninterrupted_one(tiny_folder, tmp_
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "resumed").exists()
-    done = subprocess.run(_compress_cmd(folder, tmp_path / "resumed", work), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    assert main(_compress_args(folder, tmp_path / "resumed", work)) == 0
     manifest = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
     assert 2 <= manifest["resumed_from_layer"] < 8
-    straight = subprocess.run(_compress_cmd(folder, tmp_path / "straight", tmp_path / "work2"), capture_output=True,
-                              text=True)
-    assert straight.returncode == 0, straight.stderr
+    assert main(_compress_args(folder, tmp_path / "straight", tmp_path / "work2")) == 0
     resumed, _, _ = load_artifact(tmp_path / "resumed")
     uninterrupted, _, _ = load_artifact(tmp_path / "straight")
     torch.testing.assert_close(_logits(resumed), _logits(uninterrupted), rtol=0, atol=0)
     # the same work dir refuses a different run
-    other = subprocess.run(_compress_cmd(folder, tmp_path / "other", work, ratio="0.5"), capture_output=True,
-                           text=True)
-    assert other.returncode == 2 and "different run" in other.stderr and "Traceback" not in other.stderr
+    capsys.readouterr()
+    assert main(_compress_args(folder, tmp_path / "other", work, ratio="0.5")) == 2
+    err = capsys.readouterr().err
+    assert "different run" in err and "Traceback" not in err
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path):
@@ -118,13 +119,15 @@ def test_an_unsupported_architecture_fails_fast_naming_the_supported_ones():
 
 
 def test_gguf_tensors_stream_exactly_as_transformers_loads_them():
+    """Against transformers' own GGUF loading (`load_model`'s, without the tokenizer it also builds)."""
+    from transformers import AutoModelForCausalLM
+
     from ftc.models.registry import resolve_model
     from ftc.models.weights import open_weights
-    from ftc.runtime.loading import load_model
 
     source = resolve_model("smollm2-135m")
     streamed = open_weights(source)
-    dense, _ = load_model(source)
+    dense = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
     state = dense.state_dict()
     assert set(streamed.names()) == set(state) - {"lm_head.weight"}  # tied head stored once
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
