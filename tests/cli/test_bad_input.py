@@ -9,13 +9,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-
-
-def one_error_line(capsys, *words: str) -> None:
-    err = capsys.readouterr().err
-    assert err.startswith("ftc: error: ") and err.count("\n") == 1, err
-    for word in words:
-        assert word in err, err
+from tests.support.cli import one_error_line
 
 
 @pytest.fixture

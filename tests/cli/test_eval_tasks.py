@@ -13,6 +13,7 @@ import pytest
 
 from cli.main import main
 from ftc.evaluation.tasks import TASK_DIR
+from tests.support.cli import one_error_line
 
 LM_EVAL = [sys.executable, "-m", "lm_eval"]
 FTC_LM_EVAL = [sys.executable, "-m", "ftc.evaluation.harness"]
@@ -61,9 +62,7 @@ def test_task_dir_and_bad_task_input_are_one_line_errors(tiny_folder, tmp_path, 
             if data_dir is not None:
                 patch.setenv("FTC_DATA_DIR", str(data_dir))
             assert main(["eval", "--model", model, *args]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("ftc: error: ") and err.count("\n") == 1, err
-        assert message in err
+        one_error_line(capsys, message)
 
 
 def test_artifact_tasks_agree_across_ftc_eval_the_ftc_backend_and_hf_on_the_dense_export(tiny_folder, tmp_path,
