@@ -148,13 +148,16 @@ STEPS = (("ftc.compression.methods", "FTC.qkv", "Q/K/V"),
          ("ftc.compression.sensitivity", "_Surveying._matrix_curve", "plan: W_O curve"),
          ("ftc.compression.sensitivity", "_through", "plan: layers"),
          ("ftc.compression.sensitivity", "_kl", "plan: divergence"),
-         ("ftc.compression.sensitivity", "layer_gains", "plan: other"))
+         ("ftc.compression.sensitivity", "layer_gains", "plan: other"),
+         ("ftc.compression.gradients", "_head_gradient", "loss gradients: head"),
+         ("ftc.compression.gradients", "_layer_backward", "loss gradients: layer backward"),
+         ("ftc.compression.gradients", "loss_gradient_grams", "loss gradients: forward and other"))
 """(module, attribute, label) of the steps whose peak `--steps` reports; everything else is "other".
 A compression step the layer list runs (it compresses each layer once) is reported as "plan: " and the
 step's label, apart from the same step of the compression proper."""
 
 
-def step_peaks(shape: str, workdir: Path | None, allocation: str, layers: int = 1) -> dict:
+def step_peaks(shape: str, workdir: Path | None, allocation: str, layers: int = 1, ablate: str = "") -> dict:
     """Peak RSS (anonymous and file-backed) per step of one streamed FTC compression, in process.
 
     A thread samples /proc/self/status every 2 ms and charges each sample to the step running at
@@ -201,11 +204,12 @@ def step_peaks(shape: str, workdir: Path | None, allocation: str, layers: int = 
             setattr(target, name, wrapped(getattr(target, name), label))
         threading.Thread(target=sample, daemon=True).start()
         options = CompressOptions(model=str(root / "model"), method="ftc", ratio=0.4, calib_samples=8,
-                                  seq_len=512, device="cpu", allocation=allocation)
+                                  seq_len=512, device="cpu", allocation=allocation,
+                                  ablate=tuple(a for a in ablate.split(",") if a))
         os.environ[CACHE_ENV] = str(root / "plans")
         compress(options, root / "out", progress=False)
         manifest = json.loads((root / "out" / MANIFEST).read_text())
-        return {"shape": shape, "allocation": allocation, "layers": layers,
+        return {"shape": shape, "allocation": allocation, "ablate": ablate, "layers": layers,
                 "layer_budgets": manifest["allocation"]["layer_budgets"],
                 "layout": {k: v for k, v in spec.items() if k != "target_bytes"},
                 "steps": {label: dict(zip(("rss", "anon", "file"), peaks[label], strict=True))
@@ -234,6 +238,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--allocation", choices=ALLOCATIONS, default=None,
                         help="passed to `ftc compress` (default: the method's default allocation)")
+    parser.add_argument("--ablate", default="",
+                        help="passed to `ftc compress` (e.g. loss_metric: its streamed backward pass inside the peak)")
     parser.add_argument("--workdir", type=Path, default=None, help="where checkpoints are built (default: /tmp)")
     parser.add_argument("--out", type=Path, default=RESULTS / "memory.json")
     parser.add_argument("--append", action="store_true",
@@ -255,10 +261,11 @@ def main() -> None:
     if args.steps:
         if args.layers < 1:
             parser.error(f"--layers {args.layers}: give at least 1")
-        found = step_peaks(args.steps, args.workdir, allocation, args.layers)
+        found = step_peaks(args.steps, args.workdir, allocation, args.layers, args.ablate)
         print(json.dumps(found, indent=2))
         out = args.out.with_name("memory_steps.json")
-        key = f"{args.steps}, {allocation}" + (f", {args.layers} layers" if args.layers > 1 else "")
+        key = (f"{args.steps}, {allocation}" + (f", --ablate {args.ablate}" if args.ablate else "")
+               + (f", {args.layers} layers" if args.layers > 1 else ""))
         # the oldest entry is keyed by the shape alone
         out.write_text(json.dumps({**json.loads(out.read_text()), key: found} if out.is_file()
                                   else {key: found}, indent=2))
@@ -267,8 +274,9 @@ def main() -> None:
                 "shapes": {name: {k: v for k, v in shape.items() if k != "target_bytes"}
                            for name, shape in SHAPES.items()}}
     rows = []
+    variant = allocation + (f", --ablate {args.ablate}" if args.ablate else "")  # the table's allocation column
     if args.append and args.out.is_file():
-        cases = {(name, d, allocation) for name, depths in args.cases for d in depths}
+        cases = {(name, d, variant) for name, depths in args.cases for d in depths}
         rows = [r for r in json.loads(args.out.read_text())["rows"]
                 if (r["shape"], r["layers"], r.get("allocation", "uniform")) not in cases]
     root = Path(tempfile.mkdtemp(dir=args.workdir))
@@ -280,9 +288,10 @@ def main() -> None:
                                           shape["kv_heads"])
             command = [sys.executable, "-m", "cli", "compress", "--model", str(folder), "--method", args.method,
                        "--ratio", "0.4", "--calib-samples", str(args.calib_samples), "--seq-len", str(args.seq_len),
-                       "--device", "cpu", "--quiet", "--allocation", allocation, "--out", str(root / f"out-{layers}")]
+                       "--device", "cpu", "--quiet", "--allocation", allocation, "--out", str(root / f"out-{layers}"),
+                       *(["--ablate", args.ablate] if args.ablate else [])]
             rss, seconds, _ = peak_rss(command, {**os.environ, CACHE_ENV: str(root / f"plans-{layers}")})
-            rows.append({"shape": name, "layers": layers, "allocation": allocation, "checkpoint_bytes": checkpoint,
+            rows.append({"shape": name, "layers": layers, "allocation": variant, "checkpoint_bytes": checkpoint,
                          "peak_rss_bytes": rss, "seconds": seconds, "ratio": rss / checkpoint})
             print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(folder)

@@ -175,9 +175,8 @@ def compress(
         elif method.plans:
             method = plan_budgets(method, weights, layout, calib, options, device, progress, plan_store=plan_store,
                                   resident=None if loaded is None else loaded[0])
-        if method.loss_metric:  # the whole model held for its backward passes only
-            method = with_loss_metric(method, whole_model(weights, device, None if loaded is None else loaded[0]),
-                                      layout, calib, device, progress)
+        if method.loss_metric:  # a streamed backward pass, one layer resident (ftc.compression.gradients)
+            method = with_loss_metric(method, weights, layout, calib, device, progress)
             trim_heap()
         temporary = work_dir is None
         # the method's fixed choices (sink and key weights, anchor...) too: layers written by a version
@@ -392,14 +391,15 @@ def plan(options: CompressOptions) -> dict:
     n_layers = len(model.get_submodule(layout.layers_path))
     stream_bytes = tokens * layout.hidden * 4
     workspace = 8 * layout.hidden**2 * 3 + 4 * layout.qkv_params * 4  # Grams (float64) + tensor copies
-    # asvd's rank search and the loss metric's backward pass hold the whole model, in float32; the
-    # latter keeps a float64 Gram of the hidden size per layer for the whole compression, and under
-    # `loss_metric` one of the head size per head slice during the pass
+    # asvd's rank search holds the whole model, in float32; the loss metric's streamed backward pass
+    # holds the gradients at one depth beside the stream (its float64 Grams of the hidden size, one a
+    # layer, are file-backed when streaming, `gram_buffer`) and under `loss_metric` one Gram of the head
+    # size per head slice of the layer running backward
     method = make_method(options.method, options.ratio, storage_dtype(options.dtype), options.ablate,
                          options.allocation, options.scope)
-    whole = 4 * _parameter_count(model, config) if method.whole_model_plan or method.loss_metric else 0
-    workspace += 8 * layout.hidden**2 * n_layers if method.loss_metric else 0
-    workspace += 8 * layout.slices * layout.head_dim**2 * n_layers if "qkv" in method.loss_parts else 0
+    whole = 4 * _parameter_count(model, config) if method.whole_model_plan else 0
+    workspace += stream_bytes if method.loss_metric else 0
+    workspace += 8 * layout.slices * layout.head_dim**2 if "qkv" in method.loss_parts else 0
     if options.scope == "model":  # the MLP's Grams: W_down's input is `intermediate` wide
         workspace += 8 * layout.intermediate**2 * 3 + 4 * layout.mlp_in_params * 4
     parts = layout.part_params("model")

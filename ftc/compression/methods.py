@@ -45,7 +45,15 @@ from ftc.numerics.metric import (
     damped_factor,
     guarded_fit,
 )
-from ftc.numerics.tucker import GRID_POINTS, PRUNE_STEPS, REFITS, compress_tensor, head_concat, head_slices
+from ftc.numerics.tucker import (
+    GRID_POINTS,
+    PRUNE_STEPS,
+    REFITS,
+    compress_tensor,
+    head_concat,
+    head_slices,
+    times_right,
+)
 from ftc.options import (
     ALLOCATION_METHODS,
     ALLOCATIONS,
@@ -513,8 +521,8 @@ class FTC(Method):
         weights included (the reported error is then `V`'s), and `U2 <- L^-T U2` maps it back. An `H`
         that does not factorise is ignored."""
         right = None if out_gram is None else damped_factor(out_gram, HEAD_EPS)
-        if right is not None:
-            tensor = (tensor.to(WORK_DTYPE) @ right).to(tensor.dtype)
+        if right is not None:  # a few slices at a time: no float64 copy of the whole tensor (201 MB at 7B)
+            tensor = times_right(tensor, right)
         gram = None if "no_whiten" in self.ablations else x.gram
         balance = "no_slice_norm" not in self.ablations
         coupled = "fixed_ranks" not in self.ablations or not mode2  # a Q/K/V ablation

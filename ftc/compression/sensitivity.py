@@ -218,7 +218,7 @@ def cached_layer_inputs(model: nn.Module, layout: AttentionLayout, ids: torch.Te
     return cached
 
 
-def _logits_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: torch.Tensor, batch_size: int,
+def logits_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: torch.Tensor, batch_size: int,
                        inputs: list[torch.Tensor], device: torch.device, positions: torch.Tensor | None = None
                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """`(ids, logits)` per batch of `ids`, with layers `0..start-1` replaced by the cached input of
@@ -244,12 +244,12 @@ def _logits_from_layer(model: nn.Module, layout: AttentionLayout, start: int, id
 def loss_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: torch.Tensor, batch_size: int,
                     inputs: list[torch.Tensor], device: torch.device) -> float:
     """Mean next-token cross-entropy of the model on `ids`, running from layer `start` on its cached
-    input (`_logits_from_layer`). The head reads only the positions that predict a token: the last
+    input (`logits_from_layer`). The head reads only the positions that predict a token: the last
     position's logits are never used, and a slice of the full logits would be copied whole before
     the loss (a second 2 GB on Gemma's 262k vocabulary, a second a candidate on two threads)."""
     total, count = 0.0, 0
     positions = torch.arange(ids.shape[1] - 1)
-    for chunk, logits in _logits_from_layer(model, layout, start, ids, batch_size, inputs, device, positions):
+    for chunk, logits in logits_from_layer(model, layout, start, ids, batch_size, inputs, device, positions):
         total += float(F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="sum"))
         count += chunk[:, 1:].numel()
         del logits
@@ -264,7 +264,7 @@ def divergence_from_layer(model: nn.Module, layout: AttentionLayout, start: int,
     cached input. Never negative, and zero only for the original predictions: unlike a difference
     of perplexities, a small effect cannot come out with the wrong sign."""
     total, count = 0.0, 0
-    for (chunk, logits), target in zip(_logits_from_layer(model, layout, start, ids, batch_size, inputs, device),
+    for (chunk, logits), target in zip(logits_from_layer(model, layout, start, ids, batch_size, inputs, device),
                                        reference, strict=True):
         log_probs = F.log_softmax(logits.float(), dim=-1)
         total += float(F.kl_div(log_probs, target.to(device, torch.float32), reduction="sum", log_target=True))
@@ -378,7 +378,7 @@ def layer_sensitivities(method: Method, model: nn.Module, layout: AttentionLayou
     # by about 1e-5, a few tenths of a percent of the smallest ones measured on SmolLM2)
     with torch.no_grad():
         reference = [F.log_softmax(logits.float(), dim=-1).to("cpu")
-                     for _, logits in _logits_from_layer(model, layout, 0, ids, batch_size, inputs[0], device)]
+                     for _, logits in logits_from_layer(model, layout, 0, ids, batch_size, inputs[0], device)]
     layers = decoder_layers(model, layout)
     names = sorted(set(layout.projections.values()))
     entries = []
@@ -657,7 +657,7 @@ def _log_probs(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, fin
     for sequence, hidden in zip(ids, (row for batch in final for row in batch), strict=True):  # no joined copy
         for start in range(0, length, PLAN_LOGIT_POSITIONS):
             positions = torch.arange(start, min(start + PLAN_LOGIT_POSITIONS, length))
-            for _, logits in _logits_from_layer(model, layout, layers, sequence[None], 1, [hidden[None]], device,
+            for _, logits in logits_from_layer(model, layout, layers, sequence[None], 1, [hidden[None]], device,
                                                 positions):
                 yield F.log_softmax(logits.float(), dim=-1)[0]
 
@@ -724,11 +724,11 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
     model = skeleton(weights.config)
     ids = calib[:ASVD_SENSITIVITY_SEQUENCES]
     materialize_embedding_rows(model, weights, calib, device)
-    head = _head_modules(model, layout)
+    head = head_modules(model, layout)
     stream = layer_inputs(model, layout, calib, batch_size, device)
     probe = layer_inputs(model, layout, ids, PLAN_PROBE_BATCH, device)
     original = _through(model, layout, weights, probe, probe.hidden, 0, device, compute_dtype, resident=False)
-    with _materialized(model, head, weights, device, compute_dtype):
+    with materialized(model, head, weights, device, compute_dtype):
         reference = _Spilled(_log_probs(model, layout, ids, original, device))
     del original
     planner = _Surveying(dataclasses.replace(method, keep_ratio=PLAN_REFERENCE_RATIO, allocation="uniform",
@@ -763,7 +763,7 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
         release(model, name)  # before the later layers stream in: one layer resident at a time
         finals = {unit: _through(model, layout, weights, probe, outputs.pop(unit), index + 1, device, compute_dtype,
                                  resident=False) for unit in units}
-        with _materialized(model, head, weights, device, compute_dtype):  # the head: only while it is read
+        with materialized(model, head, weights, device, compute_dtype):  # the head: only while it is read
             for unit, parts in units.items():
                 divergence = _kl(_log_probs(model, layout, ids, finals.pop(unit), device), reference)
                 errors = tuple(sum(planner.curves[p][i] for p in parts) for i in range(len(ratios)))
@@ -774,7 +774,7 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
 
 
 @contextlib.contextmanager
-def _materialized(model: nn.Module, names: list[str], weights: WeightSource, device: torch.device,
+def materialized(model: nn.Module, names: list[str], weights: WeightSource, device: torch.device,
                   compute_dtype: torch.dtype) -> Iterator[None]:
     """The modules `names` materialised from `weights` for the block, released after it: the output
     head of a 7B-shaped model is 0.4 GB in float16, as much as a decoder layer, and the list needs it
@@ -788,7 +788,7 @@ def _materialized(model: nn.Module, names: list[str], weights: WeightSource, dev
             release(model, name)
 
 
-def _head_modules(model: nn.Module, layout: AttentionLayout) -> list[str]:
+def head_modules(model: nn.Module, layout: AttentionLayout) -> list[str]:
     """The modules after the decoder layers: the final norm(s) and the output head."""
     layers_path = layout.layers_path
     owner = layers_path.rpartition(".")[0]

@@ -273,18 +273,44 @@ class BlockwiseLinear(nn.Linear):
 
     The forward converts `UPCAST_ROWS` output rows at a time to the input's dtype, so the layer
     being compressed costs its checkpoint size in memory (half of float32), the largest transient
-    is one block, and every product is the float32 product of the exactly converted weights.
+    is one block, and every product is the float32 product of the exactly converted weights. So does
+    the backward pass to the input (the loss metric's, `ftc.compression.gradients`): autograd would
+    otherwise keep every converted block for it, the whole layer in float32 beside its 16-bit self.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == x.dtype:
             return super().forward(x)
-        out = x.new_empty(*x.shape[:-1], self.out_features)
-        for start in range(0, self.out_features, UPCAST_ROWS):
+        return _BlockwiseProduct.apply(x, self.weight, self.bias)
+
+
+def _blockwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight^T + bias` with `weight` converted to `x`'s dtype `UPCAST_ROWS` rows at a time."""
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    for start in range(0, weight.shape[0], UPCAST_ROWS):
+        stop = start + UPCAST_ROWS
+        part = None if bias is None else bias[start:stop].to(x.dtype)
+        out[..., start:stop] = nn.functional.linear(x, weight[start:stop].to(x.dtype), part)
+    return out
+
+
+class _BlockwiseProduct(torch.autograd.Function):
+    """`_blockwise_linear` whose backward keeps the 16-bit weight, not its converted blocks, and gives
+    the gradient of the input only (the weights are frozen: `materialize`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return _blockwise_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        out = grad.new_zeros(*grad.shape[:-1], weight.shape[1])
+        for start in range(0, weight.shape[0], UPCAST_ROWS):
             stop = start + UPCAST_ROWS
-            bias = None if self.bias is None else self.bias[start:stop].to(x.dtype)
-            out[..., start:stop] = nn.functional.linear(x, self.weight[start:stop].to(x.dtype), bias)
-        return out
+            out += grad[..., start:stop] @ weight[start:stop].to(grad.dtype)
+        return out, None, None
 
 
 def materialize(model: nn.Module, module_name: str, weights: WeightSource, device, dtype: torch.dtype,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ftc.compression.gradients import loss_gradient_grams, shared_head_metric
 from ftc.models.arch import decoder_layers, get_module, layout_of
+from ftc.models.weights import ModuleSource
 from tests.support.tiny import tiny_model
 
 IDS = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(4))
@@ -50,7 +51,7 @@ def test_loss_gradient_grams_are_the_definition_and_leave_the_model_as_it_was(fa
     model = tiny_model(family, layers=2)
     layout = layout_of(model.config)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    got = loss_gradient_grams(model, layout, IDS, torch.device("cpu"), progress=False, heads=True)
+    got = loss_gradient_grams(ModuleSource(model), layout, IDS, torch.device("cpu"), progress=False, heads=True)
     want = _by_offsets(model, layout)
     assert len(got) == 2
     for g, w in zip(got, want, strict=True):
@@ -60,7 +61,8 @@ def test_loss_gradient_grams_are_the_definition_and_leave_the_model_as_it_was(fa
         assert float(w["o"].diagonal().mean()) > 0
         assert bool((w["qkv"].diagonal(dim1=1, dim2=2).mean(dim=1) > 0).all())
     assert all(p.requires_grad and p.grad is None for p in model.parameters())
-    assert "qkv" not in loss_gradient_grams(model, layout, IDS[:1], torch.device("cpu"), progress=False)[0]
+    assert "qkv" not in loss_gradient_grams(ModuleSource(model), layout, IDS[:1], torch.device("cpu"),
+                                            progress=False)[0]
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, before[name], rtol=0, atol=0)
 
@@ -78,3 +80,36 @@ def test_the_shared_head_metric_is_the_mean_of_the_slices_shapes():
     torch.testing.assert_close(shared_head_metric(scaled), want)
     torch.testing.assert_close(shared_head_metric(torch.cat([per_slice, torch.zeros(1, 6, 6, dtype=torch.float64)])),
                                want)
+
+
+class _Reads:
+    """A weight source that records, read by read, which decoder layer each read belongs to (None: the
+    embedding, final norm or head), runs of reads of the same one counted once."""
+
+    def __init__(self, wrapped: ModuleSource, layers_path: str) -> None:
+        self.wrapped, self.prefix, self.layers = wrapped, layers_path + ".", []
+        self.config, self.resident, self.text_part_of = wrapped.config, wrapped.resident, wrapped.text_part_of
+
+    def names(self) -> list[str]:
+        return self.wrapped.names()
+
+    def get(self, name: str) -> torch.Tensor:
+        index = int(name[len(self.prefix):].partition(".")[0]) if name.startswith(self.prefix) else None
+        if not self.layers or self.layers[-1] != index:
+            self.layers.append(index)
+        return self.wrapped.get(name)
+
+    @property
+    def nbytes(self) -> int:
+        return self.wrapped.nbytes
+
+
+def test_the_backward_pass_streams_the_layers_forward_then_back():
+    """One decoder layer read at a time (§10): every layer once on the way up, then each once more on
+    the way down from the last, the head read between them, so a model that does not fit in memory
+    gets its Grams too."""
+    model = tiny_model("gemma3", layers=3)
+    layout = layout_of(model.config)
+    weights = _Reads(ModuleSource(model), layout.layers_path)
+    loss_gradient_grams(weights, layout, IDS[:1], torch.device("cpu"), progress=False)
+    assert weights.layers == [None, 0, 1, 2, None, 2, 1, 0]

@@ -34,6 +34,7 @@ from ftc.numerics.tucker import (
     project_core,
     reachable_r1,
     refit,
+    times_right,
     top_k_mask,
     whiten_and_balance,
 )
@@ -235,6 +236,15 @@ def test_blockwise_16bit_linear_equals_the_float32_linear(monkeypatch):
         linear.__class__ = ftc.models.weights.BlockwiseLinear
         torch.testing.assert_close(linear(x), reference(x, half.float(), linear.bias), rtol=1e-6, atol=1e-6)
         assert linear.weight.dtype == dtype
+        # the gradient of the input, as the loss metric's backward pass takes it, with no float32 copy
+        # of the weight kept for it (only the 16-bit weight itself is saved)
+        leaf, saved = x.clone().requires_grad_(), []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            out = linear(leaf)
+        upstream = torch.randn(out.shape, generator=g)
+        (got,) = torch.autograd.grad(out, leaf, upstream)
+        torch.testing.assert_close(got, upstream @ half.float(), rtol=1e-6, atol=1e-6)
+        assert saved and all(t.dtype == dtype for t in saved)
 
 
 def test_a_factor_that_cannot_be_formed_again_is_an_error_not_the_identity():
@@ -299,3 +309,15 @@ def test_a_gram_that_cannot_be_spilled_stays_in_memory(tmp_path, monkeypatch):
         buffer = gram_buffer(8)
     assert torch.equal(buffer, torch.zeros(8, 8, dtype=D))
     buffer.add_(1.0)  # writable
+
+
+def test_times_right_is_each_slice_times_the_matrix_in_its_precision():
+    """`loss_metric`'s head metric on the Q/K/V tensor (§5): slice by slice `B_s R` in float64, rounded once
+    to the tensor's dtype; 11 slices, so the last group of `GRAM_SLICES` is a ragged one."""
+    g = torch.Generator().manual_seed(12)
+    tensor = torch.randn(11, 9, 5, generator=g)
+    right = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    want = torch.stack([(tensor[s].double() @ right).float() for s in range(11)])
+    got = times_right(tensor, right)
+    assert got.dtype == tensor.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

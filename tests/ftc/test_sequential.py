@@ -16,6 +16,7 @@ from ftc.compression.gradients import with_loss_metric
 from ftc.compression.methods import SINK_WEIGHT, make_method
 from ftc.compression.pipeline import layer_inputs, survey_layers
 from ftc.models.arch import decoder_layers, get_module, layout_of, set_module
+from ftc.models.weights import ModuleSource
 from ftc.options import ABLATIONS, MLP_ABLATIONS
 from tests.support.pipeline import compress_model
 from tests.support.tiny import tiny_model
@@ -55,7 +56,7 @@ def _run(ablations=(), layers: int = 2, ratio: float = 0.4, scope: str = "attent
     layout = layout_of(model.config)
     method = make_method("ftc", ratio, torch.float32, ablations, scope=scope)
     if method.loss_metric:  # attached before the wrapper, which `compress_model` cannot replace
-        method = with_loss_metric(method, model, layout, CALIB, torch.device("cpu"), progress=False)
+        method = with_loss_metric(method, ModuleSource(model), layout, CALIB, torch.device("cpu"), progress=False)
     method = Recorder(method)
     compress_model(model, layout, method, CALIB, device=torch.device("cpu"), batch_size=4, progress=False)
     return model, layout, method

@@ -97,7 +97,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path):
 
 
 def test_the_dry_run_counts_the_whole_model_where_the_plan_needs_it(tiny_folder, smollm2_tokenizer):
-    """asvd's search holds the whole float32 model; the streamed plans (global, sensitivity) do not."""
+    """asvd's search holds the whole float32 model; the streamed plans (global, sensitivity) do not, nor
+    does the loss metric's backward pass, which holds the gradients beside the stream instead."""
     from ftc.compression.compress import CompressOptions, plan
 
     folder = tiny_folder("gqa")
@@ -108,6 +109,10 @@ def test_the_dry_run_counts_the_whole_model_where_the_plan_needs_it(tiny_folder,
         peak = plan(CompressOptions(model=str(folder), method=method, allocation=allocation))["estimated_peak_bytes"]
         assert peak["whole_model_for_the_plan"] == whole
         assert peak["total"] == peak["one_layer_float32"] + peak["calibration_stream"] + peak["workspace"] + whole
+    base, loss = (plan(CompressOptions(model=str(folder), allocation="uniform", ablate=ablate))["estimated_peak_bytes"]
+                  for ablate in ((), ("loss_metric",)))
+    assert loss["whole_model_for_the_plan"] == 0
+    assert loss["workspace"] >= base["workspace"] + base["calibration_stream"]
 
 
 def test_an_unsupported_architecture_fails_fast_naming_the_supported_ones():

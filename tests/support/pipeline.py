@@ -20,6 +20,7 @@ from ftc.compression.pipeline import PipelineResult, compress_layers, layer_inpu
 from ftc.compression.sensitivity import search_budgets
 from ftc.models.arch import AttentionLayout, layout_of
 from ftc.models.registry import ModelSource
+from ftc.models.weights import ModuleSource
 from ftc.runtime.artifact import load_artifact
 
 
@@ -36,7 +37,7 @@ def compress_model(
 ) -> PipelineResult:
     """Compress `model` in place with `method`, every layer resident (small models only)."""
     if method.loss_metric and method.output_grams is None:  # as compress() does
-        method = with_loss_metric(method, model, layout, calibration, device, progress)
+        method = with_loss_metric(method, ModuleSource(model), layout, calibration, device, progress)
     stream = layer_inputs(model, layout, calibration, batch_size, device) if method.needs_data else None
     if method.budgets is None:  # a manifest's method (`method_of`) is planned already
         if method.whole_model_plan:  # ASVD's rank search, on the resident model, as compress() does
