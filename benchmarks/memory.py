@@ -143,7 +143,7 @@ STEPS = (("ftc.compression.methods", "FTC.qkv", "Q/K/V"),
          ("ftc.compression.methods", "calibrated_wo", "W_O solve"),
          ("ftc.compression.methods", "guarded_whitened_svd", "W_O truncation"),
          ("ftc.compression.pipeline", "propagate", "propagation"),
-         ("ftc.compression.sensitivity", "_Spilled.__init__", "plan: reference"),
+         ("ftc.compression.sensitivity", "SpilledTensors.__init__", "plan: reference"),
          ("ftc.compression.sensitivity", "_Surveying._tensor_curve", "plan: Q/K/V curve"),
          ("ftc.compression.sensitivity", "_Surveying._matrix_curve", "plan: W_O curve"),
          ("ftc.compression.sensitivity", "_through", "plan: layers"),
@@ -190,7 +190,9 @@ def step_peaks(shape: str, workdir: Path | None, allocation: str, layers: int = 
             def run(*args, **kwargs):
                 before = current[0]
                 inside = before.startswith("plan") and not label.startswith("plan")
-                current[0] = f"plan: {label}" if inside else label
+                borrowed = label.startswith("plan") and before != "other" and not before.startswith("plan")
+                # a plan helper another step uses (the loss gradients' spilled inputs) is that step's
+                current[0] = f"plan: {label}" if inside else before if borrowed else label
                 try:
                     return function(*args, **kwargs)
                 finally:

@@ -26,7 +26,6 @@ model, which a 7B model could not hold.
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -40,45 +39,18 @@ from ftc.numerics.metric import WORK_DTYPE, accumulate_gram, evict_spilled, gram
 from ftc.runtime.hf.modeling_ftc import trim_heap
 
 from .pipeline import Stream, layer_inputs, map_large_allocations, propagate
-from .sensitivity import head_modules, logits_from_layer, materialized
+from .sensitivity import SpilledTensors, head_modules, logits_from_layer, materialized
 
 if TYPE_CHECKING:
     from .methods import Method
 
 
-def _head_modules(layout: AttentionLayout) -> list[tuple[str, int]]:
+def _slice_modules(layout: AttentionLayout) -> list[tuple[str, int]]:
     """The modules whose outputs hold Q, K and V's head slices and how many each holds, in the
     head-concat order (§2): three, or one fused `qkv_proj` whose output is Q heads, K heads, V heads."""
     if layout.fused_qkv:
         return [(layout.fused_qkv, layout.slices)]
     return [(layout.q, layout.heads), (layout.k, layout.kv_heads), (layout.v, layout.kv_heads)]
-
-
-class _SpilledInputs:
-    """Each decoder layer's input on every calibration sequence, in one temporary file: the backward
-    pass reads them in reverse order, one sequence at a time (a 7B-shaped model's 32 x 512 tokens are
-    270 MB a layer in float32)."""
-
-    def __init__(self) -> None:
-        self.file = tempfile.TemporaryFile()
-        self.where: dict[int, list[tuple[int, torch.Size]]] = {}
-
-    def write(self, index: int, hidden: list[torch.Tensor]) -> None:
-        self.file.seek(0, 2)
-        self.where[index] = []
-        for h in hidden:
-            array = h.detach().to("cpu", torch.float32).contiguous().numpy()
-            self.where[index].append((self.file.tell(), h.shape))
-            self.file.write(array.tobytes())
-
-    def read(self, index: int) -> Iterator[torch.Tensor]:
-        for offset, shape in self.where[index]:
-            out = torch.empty(shape, dtype=torch.float32)
-            self.file.seek(offset)
-            view = memoryview(out.numpy()).cast("B")
-            if self.file.readinto(view) != view.nbytes:
-                raise OSError("the spilled layer inputs were cut short")
-            yield out
 
 
 def loss_gradient_grams(weights: WeightSource, layout: AttentionLayout, ids: torch.Tensor, device: torch.device,
@@ -104,11 +76,11 @@ def loss_gradient_grams(weights: WeightSource, layout: AttentionLayout, ids: tor
     embed = materialize_embedding_rows(model, weights, ids, device)
     stream = layer_inputs(model, layout, ids, 1, device)
     layers = decoder_layers(model, layout)
-    inputs = _SpilledInputs()
+    inputs: list[SpilledTensors | None] = []  # each layer's input, a temporary file per layer
     bar = tqdm(total=2 * len(layers) + 1, desc="loss gradients", unit="layer", disable=not progress)
     for index in range(len(layers)):
         name = f"{layout.layers_path}.{index}"
-        inputs.write(index, stream.hidden)
+        inputs.append(SpilledTensors(iter(stream.hidden)))
         materialize(model, name, weights, device, compute_dtype)
         propagate(layers[index], stream.at(index))
         release(model, name)
@@ -125,7 +97,8 @@ def loss_gradient_grams(weights: WeightSource, layout: AttentionLayout, ids: tor
     for index in reversed(range(len(layers))):
         name = f"{layout.layers_path}.{index}"
         materialize(model, name, weights, device, compute_dtype)
-        grams[index] = _layer_backward(layers[index], layout, stream.at(index), inputs.read(index), grads, heads)
+        grams[index] = _layer_backward(layers[index], layout, stream.at(index), iter(inputs[index]), grads, heads)
+        inputs[index] = None  # its file closed
         release(model, name)
         evict_spilled()  # this layer's `W_O` Gram is complete: out of memory until its compression reads it
         if bounded:
@@ -176,13 +149,13 @@ def _layer_backward(layer: torch.nn.Module, layout: AttentionLayout, stream: Str
 
     handles = [get_module(layer, layout.o).register_forward_hook(capture(whole))]
     start = 0
-    for name, count in _head_modules(layout) if heads else ():
+    for name, count in _slice_modules(layout) if heads else ():
         handles.append(get_module(layer, name).register_forward_hook(
             capture(per_head(gram["qkv"][start : start + count]))))
         start += count
     try:
         for b, (kw, h) in enumerate(zip(stream.kwargs, inputs, strict=True)):
-            leaf = h.to(stream.device).requires_grad_()
+            leaf = h.to(stream.device, copy=True).requires_grad_()  # `h` is the file's reused read buffer
             with torch.enable_grad():
                 out = layer(leaf, **kw)
                 out = out[0] if isinstance(out, tuple) else out

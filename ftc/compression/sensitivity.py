@@ -662,11 +662,12 @@ def _log_probs(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, fin
                 yield F.log_softmax(logits.float(), dim=-1)[0]
 
 
-class _Spilled:
-    """The original model's log-probabilities, one block of positions at a time (`_log_probs`), kept
-    in a file rather than in memory: four sequences of a 49k vocabulary are 400 MB in float32 (float16
-    would err by 1e-5 per token, the size of the smallest divergences), and only one block is read
-    back at a time.
+class SpilledTensors:
+    """Float32 tensors kept in a temporary file rather than in memory, read back in order one at a time:
+    the layer list's reference, the original model's log-probabilities one block of positions at a time
+    (`_log_probs`; four sequences of a 49k vocabulary are 400 MB in float32, and float16 would err by
+    1e-5 per token, the size of the smallest divergences), and the loss metric's layer inputs
+    (`ftc.compression.gradients`).
 
     Each block is read straight into one buffer reused for every block and every reading (the list
     reads the file once per unit, 12 GB on SmolLM2): a fresh array per block cost a second copy and
@@ -691,7 +692,7 @@ class _Spilled:
                 self._buffer = torch.empty(shape, dtype=torch.float32)
             view = memoryview(self._buffer.numpy()).cast("B")
             if self.file.readinto(view) != view.nbytes:
-                raise OSError("the spilled reference log-probabilities were cut short")
+                raise OSError(f"the spilled tensors in {self.file.name} were cut short")
             yield self._buffer
 
 
@@ -729,7 +730,7 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
     probe = layer_inputs(model, layout, ids, PLAN_PROBE_BATCH, device)
     original = _through(model, layout, weights, probe, probe.hidden, 0, device, compute_dtype, resident=False)
     with materialized(model, head, weights, device, compute_dtype):
-        reference = _Spilled(_log_probs(model, layout, ids, original, device))
+        reference = SpilledTensors(_log_probs(model, layout, ids, original, device))
     del original
     planner = _Surveying(dataclasses.replace(method, keep_ratio=PLAN_REFERENCE_RATIO, allocation="uniform",
                                              budgets=None, ablations=method.ablations | {"no_sequential"}), ratios)
@@ -800,7 +801,7 @@ def head_modules(model: nn.Module, layout: AttentionLayout) -> list[str]:
     return norms + head
 
 
-def _kl(log_probs: Iterator[torch.Tensor], reference: _Spilled) -> float:
+def _kl(log_probs: Iterator[torch.Tensor], reference: SpilledTensors) -> float:
     """Mean KL divergence per token of `log_probs` from `reference`, block by block."""
     total, count = 0.0, 0
     for mine, theirs in zip(log_probs, reference, strict=True):

@@ -15,7 +15,6 @@ from .metric import (
     Whitening,
     damped_factor,
     damped_whitenings,
-    evict_spilled,
     guarded_fit,
     pivot_signs,
     top_eigenpairs,
@@ -169,19 +168,17 @@ def guarded_whitened_svd(
     ignored: the input metric alone.
 
     `L` is not held during the fit, whose peak it would raise by an `out x out` float64 matrix (134 MB
-    at width 4096): formed again for `L^-1`, to the same bits (`damped_factor`), and `H` (a spilled
-    Gram under `spilled_grams`) is evicted after each use.
+    at width 4096): formed again for `L^-1`, to the same bits (`damped_factor`, which also evicts `H`
+    when it is a spilled Gram).
     """
     right = None if out_gram is None else damped_factor(out_gram, OUTPUT_EPS)
     if right is not None:
         w = w.to(WORK_DTYPE) @ right
         right = None
-        evict_spilled()
     error = ActivationError(w, gram)
     (a, b), whitening = guarded_fit(gram, lambda white: whitened_svd(w, white, rank), error,
                                     lambda: error(truncated_svd(w, rank)))
     if out_gram is not None and (right := damped_factor(out_gram, OUTPUT_EPS)) is not None:
-        evict_spilled()
         b = torch.linalg.solve_triangular(right.to(b.dtype), b, upper=False, left=False)
     return (a, b), whitening
 
