@@ -219,8 +219,8 @@ def cached_layer_inputs(model: nn.Module, layout: AttentionLayout, ids: torch.Te
 
 
 def logits_from_layer(model: nn.Module, layout: AttentionLayout, start: int, ids: torch.Tensor, batch_size: int,
-                       inputs: list[torch.Tensor], device: torch.device, positions: torch.Tensor | None = None
-                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                      inputs: list[torch.Tensor], device: torch.device, positions: torch.Tensor | None = None
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """`(ids, logits)` per batch of `ids`, with layers `0..start-1` replaced by the cached input of
     layer `start` (`inputs`, one per batch): only the rest of the model runs. `positions` limits
     the logits to those positions (transformers' `logits_to_keep`: the head reads only their
@@ -658,7 +658,7 @@ def _log_probs(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, fin
         for start in range(0, length, PLAN_LOGIT_POSITIONS):
             positions = torch.arange(start, min(start + PLAN_LOGIT_POSITIONS, length))
             for _, logits in logits_from_layer(model, layout, layers, sequence[None], 1, [hidden[None]], device,
-                                                positions):
+                                               positions):
                 yield F.log_softmax(logits.float(), dim=-1)[0]
 
 
@@ -776,7 +776,7 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
 
 @contextlib.contextmanager
 def materialized(model: nn.Module, names: list[str], weights: WeightSource, device: torch.device,
-                  compute_dtype: torch.dtype) -> Iterator[None]:
+                 compute_dtype: torch.dtype) -> Iterator[None]:
     """The modules `names` materialised from `weights` for the block, released after it: the output
     head of a 7B-shaped model is 0.4 GB in float16, as much as a decoder layer, and the list needs it
     only while it reads divergences, not while a layer is compressed."""

@@ -284,13 +284,19 @@ class BlockwiseLinear(nn.Linear):
         return _BlockwiseProduct.apply(x, self.weight, self.bias)
 
 
+def _upcast_rows(weight: torch.Tensor, dtype: torch.dtype) -> Iterator[tuple[slice, torch.Tensor]]:
+    """`(rows, weight[rows] in dtype)`, `UPCAST_ROWS` output rows at a time: the one block loop of the
+    blockwise product, forward and backward."""
+    for start in range(0, weight.shape[0], UPCAST_ROWS):
+        rows = slice(start, start + UPCAST_ROWS)
+        yield rows, weight[rows].to(dtype)
+
+
 def _blockwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ weight^T + bias` with `weight` converted to `x`'s dtype `UPCAST_ROWS` rows at a time."""
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
-    for start in range(0, weight.shape[0], UPCAST_ROWS):
-        stop = start + UPCAST_ROWS
-        part = None if bias is None else bias[start:stop].to(x.dtype)
-        out[..., start:stop] = nn.functional.linear(x, weight[start:stop].to(x.dtype), part)
+    for rows, block in _upcast_rows(weight, x.dtype):
+        out[..., rows] = nn.functional.linear(x, block, None if bias is None else bias[rows].to(x.dtype))
     return out
 
 
@@ -307,9 +313,8 @@ class _BlockwiseProduct(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (weight,) = ctx.saved_tensors
         out = grad.new_zeros(*grad.shape[:-1], weight.shape[1])
-        for start in range(0, weight.shape[0], UPCAST_ROWS):
-            stop = start + UPCAST_ROWS
-            out += grad[..., start:stop] @ weight[start:stop].to(grad.dtype)
+        for rows, block in _upcast_rows(weight, grad.dtype):
+            out += grad[..., rows] @ block
         return out, None, None
 
 

@@ -172,13 +172,15 @@ def guarded_whitened_svd(
     when it is a spilled Gram).
     """
     right = None if out_gram is None else damped_factor(out_gram, OUTPUT_EPS)
-    if right is not None:
+    weighted = right is not None
+    if weighted:
         w = w.to(WORK_DTYPE) @ right
-        right = None
+        del right
     error = ActivationError(w, gram)
     (a, b), whitening = guarded_fit(gram, lambda white: whitened_svd(w, white, rank), error,
                                     lambda: error(truncated_svd(w, rank)))
-    if out_gram is not None and (right := damped_factor(out_gram, OUTPUT_EPS)) is not None:
+    if weighted:
+        right = damped_factor(out_gram, OUTPUT_EPS)  # the same bits as above
         b = torch.linalg.solve_triangular(right.to(b.dtype), b, upper=False, left=False)
     return (a, b), whitening
 
