@@ -53,8 +53,12 @@ system-tools:
 	  echo "make setup: could not install $${missing#, } (apt-get, run as root, installs them); skipped without them: $${skipped#, } (failed under CI=true)"; \
 	fi
 
+# Test processes (pytest-xdist): each takes whole files (module fixtures are built once) and its share
+# of the cores (tests/conftest.py). TEST_WORKERS=0 runs the suite in this process, one test at a time.
+TEST_WORKERS ?= 2
+
 test:
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-slow:
 	$(BIN)/python -m pytest -q --run-slow -m slow

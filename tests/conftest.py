@@ -17,6 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+# Under pytest-xdist (`make test` runs a process per core) each process gets its share of the cores
+# for torch's thread pool, and so do the processes it starts (CLI, API, Ray workers): two processes
+# with a pool of every core each would oversubscribe them. Set before torch is first imported.
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+
 from tests.support.tiny import tiny_model
 
 if TYPE_CHECKING:
@@ -44,6 +50,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Refuse two tests with one id: pytest-xdist schedules and reports by id, so it would run one of
+    them and count it once, and the suite would pass without the others (schemathesis's tests once did)."""
+    seen: set[str] = set()
+    repeated = sorted({item.nodeid for item in session.items if item.nodeid in seen or seen.add(item.nodeid)})
+    if repeated:
+        raise pytest.UsageError(f"{len(repeated)} test id(s) name more than one test, e.g. {repeated[0]}: "
+                                "give each its own id (pytest-xdist would run only one)")
 
 
 # --- servers -------------------------------------------------------------------------------------
