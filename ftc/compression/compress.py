@@ -25,6 +25,7 @@ from ftc.models.arch import AttentionLayout, layer_types, layout_of
 from ftc.models.registry import load_tokenizer, pick_device, resolve_model
 from ftc.models.weights import (
     ModuleSource,
+    gguf_parsed_once,
     materialize_embedding_rows,
     open_weights,
     release,
@@ -135,6 +136,7 @@ def open_model(options: CompressOptions, loaded: tuple | None = None):
     return weights, load_tokenizer(source), source
 
 
+@gguf_parsed_once()  # a GGUF's config, weights and tokenizer (read twice) from one parse of the file
 def compress(
     options: CompressOptions,
     out_dir: Path,

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import functools
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -95,7 +96,7 @@ class GGUFSource:
         self._reader = GGUFReader(path)
         architecture = read_field(self._reader, "general.architecture")[0]
         self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-        with gguf_name_maps_once():
+        with gguf_parsed_once():
             to_hf = get_gguf_hf_weights_map(skeleton(config), self._processor)
         self._tensors = {to_hf[t.name]: t for t in self._reader.tensors if t.name in to_hf}
 
@@ -119,23 +120,37 @@ class GGUFSource:
 
 
 @contextlib.contextmanager
-def gguf_name_maps_once() -> Iterator[None]:
-    """gguf's tensor-name map built once per `(architecture, layers)` while the block runs.
+def gguf_parsed_once() -> Iterator[None]:
+    """Each GGUF file parsed once, and gguf's tensor-name map built once per `(architecture, layers)`,
+    while the block runs.
 
-    transformers maps a GGUF's tensor names (`get_gguf_hf_weights_map`, which its own GGUF loading and
-    `GGUFSource` call) by walking every submodule of the model and building gguf's `TensorNameMap` anew
-    at each one: 397 times on SmolLM2-135M, the larger part of the seconds a GGUF takes to open. The map
-    is a function of its two arguments, so one per pair gives the same names. transformers imports the
-    function from the `gguf` module at each call, so it is replaced there for the block only.
+    Opening a GGUF for a compression reads it four times: transformers' config (`load_config`), our
+    tensor reader (`GGUFSource`) and the tokenizer, twice (built for the calibration, dropped through
+    the layers, built again for the artifact), each parsing every metadata field anew, the
+    vocabulary's strings one numpy view at a time (6-8 s each for SmolLM2-135M's 49k tokens and
+    merges). The reader is read-only once built, so one per file serves them all. transformers maps
+    the tensor names (`get_gguf_hf_weights_map`, which its GGUF loading and `GGUFSource` call) by
+    building gguf's `TensorNameMap` anew at every submodule, 397 times on SmolLM2-135M; the map is a
+    function of its two arguments, so one per pair gives the same names. transformers imports both
+    from the `gguf` module at each call, so they are replaced there for the block only. The readers
+    live as long as the block (a `GGUFSource` keeps its own beyond it).
     """
     import gguf
 
-    built = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.cache(built)
+    built_map, built_reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode: str = "r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = built_reader(path, mode)
+        return readers[key]
+
+    gguf.get_tensor_name_map, gguf.GGUFReader = functools.cache(built_map), reader
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = built
+        gguf.get_tensor_name_map, gguf.GGUFReader = built_map, built_reader
 
 
 class ModuleSource:

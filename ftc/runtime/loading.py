@@ -9,7 +9,7 @@ import logging
 import torch
 
 from ftc.models.registry import ModelSource, load_tokenizer
-from ftc.models.weights import gguf_name_maps_once
+from ftc.models.weights import gguf_parsed_once
 
 from .artifact import load_artifact
 
@@ -25,8 +25,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         return model, tokenizer
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    tokenizer = load_tokenizer(source)
-    with gguf_name_maps_once() if source.gguf_file else contextlib.nullcontext():
+    with gguf_parsed_once() if source.gguf_file else contextlib.nullcontext():  # one parse for all three
+        tokenizer = load_tokenizer(source)
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **extra)
     config = model.config
     if getattr(config, "quantization_config", None) is not None and source.kind == "gguf":

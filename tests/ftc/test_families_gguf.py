@@ -59,20 +59,25 @@ def test_a_gemma3_gguf_reads_back_config_layout_and_every_tensor(tmp_path):
         torch.testing.assert_close(source.get(name).float(), expected[name].float(), rtol=0, atol=1e-6)
 
 
-def test_gguf_name_maps_once_gives_transformers_map_and_restores_gguf():
-    """The scoped cache changes how often gguf's name map is built, not the map: transformers' tensor-name
-    mapping of a Gemma 3 model is the same inside the block, and `gguf` is left as it was."""
+def test_gguf_parsed_once_gives_transformers_map_one_reader_per_file_and_restores_gguf(tmp_path):
+    """The scoped caches change how often a GGUF is parsed and gguf's name map is built, not what they
+    give: transformers' tensor-name mapping of a Gemma 3 model is the same inside the block, a file
+    named as a string or a path is read once, and `gguf` is left as it was."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, get_gguf_hf_weights_map
 
-    from ftc.models.weights import gguf_name_maps_once
+    from ftc.models.weights import gguf_parsed_once
 
     model = tiny_model("gemma3", layers=2)
+    write_gemma3_gguf(model, tmp_path / "g3.gguf")
     processor = TENSOR_PROCESSORS["gemma3"](config=model.config.to_dict())
-    original = gguf.get_tensor_name_map
+    original_map, original_reader = gguf.get_tensor_name_map, gguf.GGUFReader
     plain = get_gguf_hf_weights_map(model, processor)
-    with gguf_name_maps_once():
+    with gguf_parsed_once():
         first = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, 2)
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, 2) is first  # once per (architecture, layers)
         assert get_gguf_hf_weights_map(model, processor) == plain
-    assert gguf.get_tensor_name_map is original
-    assert original(gguf.MODEL_ARCH.GEMMA3, 2) is not original(gguf.MODEL_ARCH.GEMMA3, 2)
+        reader = gguf.GGUFReader(tmp_path / "g3.gguf")
+        assert gguf.GGUFReader(str(tmp_path / "g3.gguf")) is reader
+        assert [t.name for t in reader.tensors] == [t.name for t in original_reader(tmp_path / "g3.gguf").tensors]
+    assert (gguf.get_tensor_name_map, gguf.GGUFReader) == (original_map, original_reader)
+    assert original_map(gguf.MODEL_ARCH.GEMMA3, 2) is not original_map(gguf.MODEL_ARCH.GEMMA3, 2)
