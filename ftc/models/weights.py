@@ -14,6 +14,7 @@ import copy
 import functools
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -119,6 +120,13 @@ class GGUFSource:
         return self.path.stat().st_size
 
 
+_GGUF_SHARED: dict = {"blocks": 0}
+"""How many `gguf_parsed_once` blocks are open (nested, or in other threads) and what gguf had before
+the first: only the last one out may put it back, or a block ending inside another would leave it
+without its caches, or leave the caches installed for good."""
+_GGUF_SHARED_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
     """Each GGUF file parsed once, and gguf's tensor-name map built once per `(architecture, layers)`,
@@ -132,25 +140,34 @@ def gguf_parsed_once() -> Iterator[None]:
     the tensor names (`get_gguf_hf_weights_map`, which its GGUF loading and `GGUFSource` call) by
     building gguf's `TensorNameMap` anew at every submodule, 397 times on SmolLM2-135M; the map is a
     function of its two arguments, so one per pair gives the same names. transformers imports both
-    from the `gguf` module at each call, so they are replaced there for the block only. The readers
-    live as long as the block (a `GGUFSource` keeps its own beyond it).
+    from the `gguf` module at each call, so they are replaced there while any such block is open (nested
+    blocks and blocks in other threads share the caches). The readers live as long as the blocks (a
+    `GGUFSource` keeps its own beyond them).
     """
     import gguf
 
-    built_map, built_reader = gguf.get_tensor_name_map, gguf.GGUFReader
-    readers: dict[tuple[str, str], object] = {}
+    with _GGUF_SHARED_LOCK:
+        if _GGUF_SHARED["blocks"] == 0:  # the first block in: caches for every block open beside or inside it
+            built_map, built_reader = gguf.get_tensor_name_map, gguf.GGUFReader
+            readers: dict[tuple[str, str], object] = {}
 
-    def reader(path, mode: str = "r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = built_reader(path, mode)
-        return readers[key]
+            def reader(path, mode: str = "r"):
+                key = (os.path.realpath(path), mode)
+                with _GGUF_SHARED_LOCK:
+                    if key not in readers:
+                        readers[key] = built_reader(path, mode)
+                    return readers[key]
 
-    gguf.get_tensor_name_map, gguf.GGUFReader = functools.cache(built_map), reader
+            _GGUF_SHARED["saved"] = (built_map, built_reader)
+            gguf.get_tensor_name_map, gguf.GGUFReader = functools.cache(built_map), reader
+        _GGUF_SHARED["blocks"] += 1
     try:
         yield
     finally:
-        gguf.get_tensor_name_map, gguf.GGUFReader = built_map, built_reader
+        with _GGUF_SHARED_LOCK:
+            _GGUF_SHARED["blocks"] -= 1
+            if _GGUF_SHARED["blocks"] == 0:  # the last block out puts gguf back and lets the readers go
+                gguf.get_tensor_name_map, gguf.GGUFReader = _GGUF_SHARED.pop("saved")
 
 
 class ModuleSource:

@@ -62,7 +62,8 @@ def test_a_gemma3_gguf_reads_back_config_layout_and_every_tensor(tmp_path):
 def test_gguf_parsed_once_gives_transformers_map_one_reader_per_file_and_restores_gguf(tmp_path):
     """The scoped caches change how often a GGUF is parsed and gguf's name map is built, not what they
     give: transformers' tensor-name mapping of a Gemma 3 model is the same inside the block, a file
-    named as a string or a path is read once, and `gguf` is left as it was."""
+    named as a string or a path is read once, by nested blocks too, and `gguf` is left as it was when
+    the outermost block ends."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, get_gguf_hf_weights_map
 
     from ftc.models.weights import gguf_parsed_once
@@ -77,7 +78,9 @@ def test_gguf_parsed_once_gives_transformers_map_one_reader_per_file_and_restore
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, 2) is first  # once per (architecture, layers)
         assert get_gguf_hf_weights_map(model, processor) == plain
         reader = gguf.GGUFReader(tmp_path / "g3.gguf")
-        assert gguf.GGUFReader(str(tmp_path / "g3.gguf")) is reader
+        with gguf_parsed_once():  # nested, as a block in another thread: the same caches
+            assert gguf.GGUFReader(tmp_path / "g3.gguf") is reader
+        assert gguf.GGUFReader(str(tmp_path / "g3.gguf")) is reader  # still there when the inner block ends
         assert [t.name for t in reader.tensors] == [t.name for t in original_reader(tmp_path / "g3.gguf").tensors]
     assert (gguf.get_tensor_name_map, gguf.GGUFReader) == (original_map, original_reader)
     assert original_map(gguf.MODEL_ARCH.GEMMA3, 2) is not original_map(gguf.MODEL_ARCH.GEMMA3, 2)
