@@ -11,6 +11,7 @@ import contextlib
 import os
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,8 @@ import pytest
 # for torch's thread pool, and so do the processes it starts (CLI, API, Ray workers): two processes
 # with a pool of every core each would oversubscribe them. Set before torch is first imported.
 if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux / other
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
 
 from tests.support.tiny import tiny_model
 
@@ -55,8 +57,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Refuse two tests with one id: pytest-xdist schedules and reports by id, so it would run one of
     them and count it once, and the suite would pass without the others (schemathesis's tests once did)."""
-    seen: set[str] = set()
-    repeated = sorted({item.nodeid for item in session.items if item.nodeid in seen or seen.add(item.nodeid)})
+    repeated = sorted(nodeid for nodeid, count in Counter(item.nodeid for item in session.items).items() if count > 1)
     if repeated:
         raise pytest.UsageError(f"{len(repeated)} test id(s) name more than one test, e.g. {repeated[0]}: "
                                 "give each its own id (pytest-xdist would run only one)")
