@@ -3,53 +3,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig
 
 from ftc.models.arch import layout_of
 from ftc.models.weights import GGUFSource
+from tests.support.gguf_files import write_gguf
 from tests.support.tiny import tiny_model
 
 gguf = pytest.importorskip("gguf")
 
 
-def write_gemma3_gguf(model, path: Path) -> None:
-    """A float32 GGUF of a Gemma 3 text model, tensor names and norm offsets as llama.cpp writes
-    them (Gemma norms are stored as `1 + w`); names come from transformers' own GGUF name map."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, get_gguf_hf_weights_map
-
-    c = model.config
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    writer.add_sliding_window(c.sliding_window)
-    writer.add_vocab_size(c.vocab_size)
-    to_gguf = {hf: name for name, hf in get_gguf_hf_weights_map(
-        model, TENSOR_PROCESSORS["gemma3"](config=c.to_dict())).items()}
-    for name, tensor in model.state_dict().items():
-        values = tensor.float().numpy()
-        writer.add_tensor(to_gguf[name], (values + 1 if "norm.weight" in name else values).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_a_gemma3_gguf_reads_back_config_layout_and_every_tensor(tmp_path):
     model = tiny_model("gemma3")
-    write_gemma3_gguf(model, tmp_path / "g3.gguf")
+    write_gguf(model, tmp_path / "g3.gguf", "gemma3")
     config = AutoConfig.from_pretrained(tmp_path, gguf_file="g3.gguf")
     assert layout_of(config) == layout_of(model.config)
     source = GGUFSource(tmp_path / "g3.gguf", config)
@@ -69,7 +37,7 @@ def test_gguf_parsed_once_gives_transformers_map_one_reader_per_file_and_restore
     from ftc.models.weights import gguf_parsed_once
 
     model = tiny_model("gemma3", layers=2)
-    write_gemma3_gguf(model, tmp_path / "g3.gguf")
+    write_gguf(model, tmp_path / "g3.gguf", "gemma3")
     processor = TENSOR_PROCESSORS["gemma3"](config=model.config.to_dict())
     original_map, original_reader = gguf.get_tensor_name_map, gguf.GGUFReader
     plain = get_gguf_hf_weights_map(model, processor)
@@ -84,3 +52,22 @@ def test_gguf_parsed_once_gives_transformers_map_one_reader_per_file_and_restore
         assert [t.name for t in reader.tensors] == [t.name for t in original_reader(tmp_path / "g3.gguf").tensors]
     assert (gguf.get_tensor_name_map, gguf.GGUFReader) == (original_map, original_reader)
     assert original_map(gguf.MODEL_ARCH.GEMMA3, 2) is not original_map(gguf.MODEL_ARCH.GEMMA3, 2)
+
+
+def test_a_gguf_compression_parses_its_file_once(tmp_path, monkeypatch):
+    """`compress` takes a GGUF's config, tensors and tokenizer (built twice: for the calibration and for
+    the artifact) from one parse of the file (`gguf_parsed_once`); each parse of a real vocabulary costs
+    seconds. A tiny Llama with SmolLM2-135M's tokenizer, so the parse reads a real vocabulary."""
+    from ftc.compression.compress import CompressOptions, compress
+    from ftc.models.registry import resolve_model
+
+    smol = resolve_model("smollm2-135m")
+    model = tiny_model("gqa", vocab_size=49152, layers=2)
+    write_gguf(model, tmp_path / "tiny.gguf", "llama", tokenizer_from=smol.path / smol.gguf_file)
+    parsed, built = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, *rest: parsed.append(path) or built(path, *rest))
+    options = CompressOptions(model=str(tmp_path / "tiny.gguf"), ratio=0.5, allocation="uniform", calib_samples=2,
+                              seq_len=64, dtype="float32")
+    manifest = compress(options, tmp_path / "out", progress=False)
+    assert len(parsed) == 1, parsed
+    assert manifest["layers"] and (tmp_path / "out" / "tokenizer.json").is_file()

@@ -124,21 +124,22 @@ def test_an_unsupported_architecture_fails_fast_naming_the_supported_ones():
 
 
 def test_gguf_tensors_stream_exactly_as_transformers_loads_them(monkeypatch):
-    """Against transformers' own GGUF loading (`load_model`'s, without the tokenizer it also builds),
-    both reading one parse of the file (`gguf_parsed_once`): config, our reader, transformers' loader."""
+    """Against transformers' own GGUF loading (`load_model`'s), each side reading one parse of the file
+    (`gguf_parsed_once`): our config and reader; `load_model`'s tokenizer, config and weights."""
     import gguf
-    from transformers import AutoModelForCausalLM
 
     from ftc.models.registry import resolve_model
     from ftc.models.weights import gguf_parsed_once, open_weights
+    from ftc.runtime.loading import load_model
 
     parsed, built = [], gguf.GGUFReader
     monkeypatch.setattr(gguf, "GGUFReader", lambda path, *rest: parsed.append(path) or built(path, *rest))
     source = resolve_model("smollm2-135m")
-    with gguf_parsed_once():
+    with gguf_parsed_once():  # as `compress` runs
         streamed = open_weights(source)
-        dense = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
     assert len(parsed) == 1, parsed
+    dense, _ = load_model(source)
+    assert len(parsed) == 2, parsed
     state = dense.state_dict()
     assert set(streamed.names()) == set(state) - {"lm_head.weight"}  # tied head stored once
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
