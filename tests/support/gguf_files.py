@@ -41,8 +41,6 @@ def write_gguf(model, path: Path, architecture: str, tokenizer_from: Path | None
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=c.to_dict())
     to_gguf = {hf: name for name, hf in get_gguf_hf_weights_map(model, processor).items()}
     for name, tensor in model.state_dict().items():
-        if name not in to_gguf:  # a tied head: llama.cpp stores the embedding once
-            continue
         values = tensor.float().numpy()
         writer.add_tensor(to_gguf[name], (values + 1 if gemma and "norm.weight" in name else values).astype(np.float32))
     writer.write_header_to_file()
