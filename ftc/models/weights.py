@@ -149,10 +149,11 @@ def gguf_parsed_once() -> Iterator[None]:
     with _GGUF_SHARED_LOCK:
         if _GGUF_SHARED["blocks"] == 0:  # the first block in: caches for every block open beside or inside it
             built_map, built_reader = gguf.get_tensor_name_map, gguf.GGUFReader
-            readers: dict[tuple[str, str], object] = {}
+            readers: dict[tuple, object] = {}
 
             def reader(path, mode: str = "r"):
-                key = (os.path.realpath(path), mode)
+                stat = os.stat(path)  # a file written again while a block is open is parsed again
+                key = (os.path.realpath(path), mode, stat.st_mtime_ns, stat.st_size)
                 with _GGUF_SHARED_LOCK:
                     if key not in readers:
                         readers[key] = built_reader(path, mode)

@@ -30,8 +30,8 @@ def test_a_gemma3_gguf_reads_back_config_layout_and_every_tensor(tmp_path):
 def test_gguf_parsed_once_gives_transformers_map_one_reader_per_file_and_restores_gguf(tmp_path):
     """The scoped caches change how often a GGUF is parsed and gguf's name map is built, not what they
     give: transformers' tensor-name mapping of a Gemma 3 model is the same inside the block, a file
-    named as a string or a path is read once, by nested blocks too, and `gguf` is left as it was when
-    the outermost block ends."""
+    named as a string or a path is read once, by nested blocks too, and once more when written again,
+    and `gguf` is left as it was when the outermost block ends."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, get_gguf_hf_weights_map
 
     from ftc.models.weights import gguf_parsed_once
@@ -50,6 +50,9 @@ def test_gguf_parsed_once_gives_transformers_map_one_reader_per_file_and_restore
             assert gguf.GGUFReader(tmp_path / "g3.gguf") is reader
         assert gguf.GGUFReader(str(tmp_path / "g3.gguf")) is reader  # still there when the inner block ends
         assert [t.name for t in reader.tensors] == [t.name for t in original_reader(tmp_path / "g3.gguf").tensors]
+        write_gguf(tiny_model("gemma3", layers=1), tmp_path / "new.gguf", "gemma3")
+        (tmp_path / "new.gguf").replace(tmp_path / "g3.gguf")  # written again (atomically, as a download is)
+        assert len(gguf.GGUFReader(tmp_path / "g3.gguf").tensors) < len(reader.tensors)  # and read again
     assert (gguf.get_tensor_name_map, gguf.GGUFReader) == (original_map, original_reader)
     assert original_map(gguf.MODEL_ARCH.GEMMA3, 2) is not original_map(gguf.MODEL_ARCH.GEMMA3, 2)
 
