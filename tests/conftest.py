@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-# Under pytest-xdist (`make test` runs a process per core) each process gets its share of the cores
+# Under pytest-xdist (`make test` runs TEST_WORKERS processes, two by default) each gets its share of the cores
 # for torch's thread pool, and so do the processes it starts (CLI, API, Ray workers): two processes
 # with a pool of every core each would oversubscribe them. Set before torch is first imported.
 if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
