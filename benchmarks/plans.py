@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,10 +83,14 @@ def evaluate(loaded, test_ids, options: CompressOptions, budgets: list[dict]) ->
         return perplexity(model, test_ids, 512, 64, progress=False, prefix=bos_prefix(loaded[1]))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def begin_run(parser: argparse.ArgumentParser, out: Path, render: Callable[[dict], str]) -> tuple | None:
+    """The command line parsed (`--part all|render` and `--out`, default `out`, added to `parser`) and the
+    results kept in `--out`; with `--part render` their table is written again and None returned. Else
+    `(args, results, save, loaded, layout, options, calib)`: `save()` writes the results and their table,
+    `loaded` is SmolLM2-135M-Instruct in memory as `compress(loaded=...)` takes it, `options` those of
+    the default allocation and `calib` their calibration batch; the command and threads are recorded."""
     parser.add_argument("--part", choices=["all", "render"], default="all")
-    parser.add_argument("--out", type=Path, default=RESULTS / "plans.json")
+    parser.add_argument("--out", type=Path, default=out)
     args = parser.parse_args()
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
 
@@ -95,15 +100,23 @@ def main() -> None:
 
     if args.part == "render":
         save()
-        return
-    results["command"] = ".venv/bin/python benchmarks/plans.py " + " ".join(sys.argv[1:])
+        return None
+    results["command"] = ".venv/bin/python " + " ".join(sys.argv)
     results["threads"] = torch.get_num_threads()
     source = resolve_model("smollm2-135m")
     model, tokenizer = load_model(source)
-    loaded = (model, tokenizer, source)
     layout = layout_of(model.config)
     options = CompressOptions(device="cpu", allocation="sensitivity")
     calib = calibration_batch(tokenizer, options, layout.hidden)
+    return args, results, save, (model, tokenizer, source), layout, options, calib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if (run := begin_run(parser, RESULTS / "plans.json", render)) is None:
+        return
+    _, results, save, loaded, layout, options, calib = run
+    model, tokenizer, _ = loaded
     device = torch.device("cpu")
     method = make_method("ftc", 0.4, torch.float16, allocation="sensitivity")
     layers = model.config.num_hidden_layers
