@@ -133,6 +133,8 @@ def list_with_outputs(method, weights, layout, calib: torch.Tensor) -> tuple[lis
 
 
 def plan_perplexity(loaded, tune_ids: torch.Tensor, ratio: float, budgets: list[dict]) -> float:
+    """`loaded` compressed with `budgets` (a plan made here, not the allocation's own), written, reloaded
+    and scored on the tuning split: the plans differ only in where the values go."""
     options = CompressOptions(device="cpu", allocation="sensitivity", ratio=ratio)
     with tempfile.TemporaryDirectory() as tmp:
         compress(options, Path(tmp) / "a", loaded=loaded, progress=False, budgets=budgets)
