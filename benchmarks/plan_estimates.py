@@ -76,7 +76,7 @@ def layer_output_gradients(weights, layout, ids: torch.Tensor, seed: int | None
     inputs = []
     for index in range(len(layers)):
         name = f"{layout.layers_path}.{index}"
-        inputs.append([h.clone() for h in stream.hidden])
+        inputs.append(list(stream.hidden))  # `propagate` rebinds the entries
         materialize(model, name, weights, cpu, torch.float32)
         propagate(layers[index], stream.at(index))
         release(model, name)
