@@ -17,7 +17,8 @@ of the machine, "all"):
 
 Variants: the dense model; FTC with attention-only compression at rho 0.8/0.6/0.4/0.2; FTC with
 whole-model compression (`--scope model`) at keep ratios 0.8/0.6/0.4 (20/40/60% of the seven
-linear projections removed).
+linear projections removed), and the same with every core kept dense (`--ablate dense_core`,
+ftc-method.md §9: the runtime then holds what is stored, `--dense-core-keeps`).
 Artifacts load through `load_compressed` (the classes the transformers remote code runs) in their
 default `speed` runtime; the dense model is the same weights saved as a float16 safetensors
 folder, loaded with `AutoModelForCausalLM.from_pretrained`, so both read the same file format.
@@ -90,6 +91,9 @@ TARGETS = {
     "held_memory": 1.25,
 }
 """The targets of the runtime (SmolLM2-135M-Instruct on CPU, side by side in one run)."""
+WHOLE_TARGETED = ("model-0.6", "model-dense-0.6")
+"""The variants the whole-model -40% targets are checked on: the default compression, and the same
+with every core dense (`--ablate dense_core`)."""
 
 QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
              "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -109,6 +113,7 @@ class Variant:
     folder: str | None = None
     unavailable: str | None = None
     unmapped: bool = False  # dense only: its weights read with `pread` as FTC's loader reads them
+    dense_core: bool = False  # FTC only: compressed with `--ablate dense_core`
     own_kernel: bool = False  # dense only: one-token forwards off oneDNN, as a 16-bit FTC model's run
 
     @property
@@ -116,20 +121,22 @@ class Variant:
         if self.scope == "dense":
             return ("dense, weights read unmapped" if self.unmapped else
                     "dense, one-token steps off oneDNN" if self.own_kernel else "dense")
+        core = ", dense core" if self.dense_core else ""
         if self.scope == "attention":
-            return f"attention rho {self.ratio}"
-        return f"whole model keep {self.ratio} (-{round(100 * (1 - self.ratio))}%)"
+            return f"attention rho {self.ratio}{core}"
+        return f"whole model keep {self.ratio} (-{round(100 * (1 - self.ratio))}%){core}"
 
 
-def compress_to(folder: Path, model: str, ratio: float, scope: str, calib_samples: int, seq_len: int) -> Path:
+def compress_to(folder: Path, model: str, ratio: float, scope: str, calib_samples: int, seq_len: int,
+                dense_core: bool = False) -> Path:
     """An FTC artifact of `model` (compressed once; kept in `folder` for later runs)."""
     from ftc.compression.compress import CompressOptions, compress
 
     if (folder / "manifest.json").exists():
         return folder
     options = CompressOptions(model=model, ratio=ratio, calib_samples=calib_samples, seq_len=seq_len,
-                              dtype="float16", device="cpu", scope=scope)
-    print(f"  compressing {model} ({scope}, {ratio}) -> {folder}", flush=True)
+                              dtype="float16", device="cpu", scope=scope, ablate=("dense_core",) if dense_core else ())
+    print(f"  compressing {model} ({scope}, {ratio}{', dense core' if dense_core else ''}) -> {folder}", flush=True)
     compress(options, folder, overwrite=True, progress=False)
     return folder
 
@@ -146,18 +153,23 @@ def dense_variants(folder: Path) -> list[Variant]:
             Variant("dense-own-kernel", "dense", folder=str(folder), own_kernel=True)]
 
 
-def ftc_variants(make: Callable[[float, str], Path], ratios: tuple[float, ...],
-                 keeps: tuple[float, ...]) -> list[Variant]:
-    """The FTC variants, `make(ratio, scope) -> folder`; a whole-model one whose compression fails is
-    reported with the error instead of ending the run (its speed is then not measured)."""
-    variants = [Variant(f"attention-{r}", "attention", r, str(make(r, "attention"))) for r in ratios]
-    for keep in keeps:
-        name = f"model-{keep}"
+def ftc_variants(make: Callable[[float, str, bool], Path], ratios: tuple[float, ...],
+                 keeps: tuple[float, ...], dense_keeps: tuple[float, ...] = ()) -> list[Variant]:
+    """The FTC variants, `make(ratio, scope, dense_core) -> folder`; a whole-model one whose compression
+    fails is reported with the error instead of ending the run (its speed is then not measured)."""
+    variants = [Variant(f"attention-{r}", "attention", r, str(make(r, "attention", False))) for r in ratios]
+    for keep, dense_core in [*((k, False) for k in keeps), *((k, True) for k in dense_keeps)]:
+        name = f"model-{'dense-' if dense_core else ''}{keep}"
         try:
-            variants.append(Variant(name, "model", keep, str(make(keep, "model"))))
+            variants.append(Variant(name, "model", keep, str(make(keep, "model", dense_core)), dense_core=dense_core))
         except Exception as exc:  # a scope that exists but fails here is reported, not fatal
-            variants.append(Variant(name, "model", keep, unavailable=f"{type(exc).__name__}: {exc}"))
+            variants.append(Variant(name, "model", keep, unavailable=f"{type(exc).__name__}: {exc}",
+                                    dense_core=dense_core))
     return variants
+
+
+def artifact_name(scope: str, ratio: float, dense_core: bool) -> str:
+    return f"{scope}-{ratio}" + ("-dense_core" if dense_core else "")
 
 
 def save_dense(model, tokenizer, folder: Path) -> None:
@@ -179,7 +191,7 @@ def save_dense(model, tokenizer, folder: Path) -> None:
     os.replace(tmp, folder)
 
 
-def smollm2(artifacts: Path, ratios, keeps) -> tuple[list[Variant], dict]:
+def smollm2(artifacts: Path, ratios, keeps, dense_keeps=()) -> tuple[list[Variant], dict]:
     from ftc.models.registry import resolve_model
     from ftc.runtime.loading import load_model
 
@@ -188,10 +200,11 @@ def smollm2(artifacts: Path, ratios, keeps) -> tuple[list[Variant], dict]:
         print(f"  writing the dense SmolLM2 folder {dense}", flush=True)
         save_dense(*load_model(resolve_model("smollm2-135m")), dense)
 
-    def make(ratio: float, scope: str) -> Path:
-        return compress_to(artifacts / f"smollm2-{scope}-{ratio}", "smollm2-135m", ratio, scope, 8, 512)
+    def make(ratio: float, scope: str, dense_core: bool) -> Path:
+        return compress_to(artifacts / f"smollm2-{artifact_name(scope, ratio, dense_core)}", "smollm2-135m", ratio,
+                           scope, 8, 512, dense_core)
 
-    variants = [*dense_variants(dense), *ftc_variants(make, ratios, keeps)]
+    variants = [*dense_variants(dense), *ftc_variants(make, ratios, keeps, dense_keeps)]
     return variants, {"title": "SmolLM2-135M-Instruct", "vocab": 49152,
                       "setup": "SmolLM2-135M-Instruct (its Q4_1 GGUF dequantised, saved as float16 safetensors); "
                                "FTC artifacts compressed from it with 8 x 512 WikiText-2 calibration tokens"}
@@ -258,7 +271,7 @@ def replicate(one_layer: Path, dense: Path, out: Path, layers: int) -> Path:
 
 
 def llama_shape(artifacts: Path, ratios, keeps, shape: dict, tag: str, title: str,
-                calib: tuple[int, int] = (4, 512)) -> tuple[list[Variant], dict]:
+                calib: tuple[int, int] = (4, 512), dense_keeps=()) -> tuple[list[Variant], dict]:
     """The dense random model of `shape` and its FTC artifacts (one compressed layer, replicated,
     calibrated with `calib` = (sequences, tokens))."""
     from ftc.models.registry import load_tokenizer, resolve_model
@@ -272,11 +285,12 @@ def llama_shape(artifacts: Path, ratios, keeps, shape: dict, tag: str, title: st
     if not (source / "config.json").exists():  # SmolLM2's vocabulary, so its tokenizer reads the calibration text
         save_dense(random_llama(shape, 1, 49152, seed=0), load_tokenizer(resolve_model("smollm2-135m")), source)
 
-    def make(ratio: float, scope: str) -> Path:
-        one = compress_to(artifacts / f"{tag}-1layer-{scope}-{ratio}", str(source), ratio, scope, *calib)
-        return replicate(one, dense, artifacts / f"{tag}-{layers}-{scope}-{ratio}", layers)
+    def make(ratio: float, scope: str, dense_core: bool) -> Path:
+        name = artifact_name(scope, ratio, dense_core)
+        one = compress_to(artifacts / f"{tag}-1layer-{name}", str(source), ratio, scope, *calib, dense_core)
+        return replicate(one, dense, artifacts / f"{tag}-{layers}-{name}", layers)
 
-    variants = [*dense_variants(dense), *ftc_variants(make, ratios, keeps)]
+    variants = [*dense_variants(dense), *ftc_variants(make, ratios, keeps, dense_keeps)]
     return variants, {"title": title, "vocab": vocab,
                       "setup": f"random weights of the shape {shape}; FTC: one random layer of that shape "
                                f"compressed with {calib[0]} x {calib[1]} calibration tokens, its groups in every layer"}
@@ -537,6 +551,7 @@ def settings_of(args, threads: list[int]) -> dict:
     return {"prefill": list(args.prefill), "prompt": PROMPT, "new_tokens": args.new_tokens,
             "decode_batches": list(DECODE_BATCHES), "repeats": args.repeats, "dtypes": list(args.dtypes),
             "threads": threads, "runtime": args.runtime, "ratios": list(args.ratios), "keeps": list(args.keeps),
+            **({"dense_core_keeps": list(args.dense_core_keeps)} if args.dense_core_keeps else {}),
             "tiny_layers": args.tiny_layers,
             **({"device": args.device} if args.device != "cpu" else {})}  # a CPU run's settings as before
 
@@ -563,7 +578,7 @@ def run(args) -> dict:
     for name in args.models:
         print(f"{name}: preparing the variants", flush=True)
         if name == "smollm2":
-            prepared[name] = smollm2(args.artifacts, args.ratios, args.keeps)
+            prepared[name] = smollm2(args.artifacts, args.ratios, args.keeps, args.dense_core_keeps)
         else:
             shape = {**TINYLLAMA_SHAPE, "num_hidden_layers": args.tiny_layers} if name == "tinyllama-shape" \
                 else SMOKE_SHAPE
@@ -571,7 +586,8 @@ def run(args) -> dict:
                                                else "") + ", random weights") if name == "tinyllama-shape" \
                 else "small random Llama (smoke)"
             calib = (2, 64) if name == "smoke" else (4, 512)
-            prepared[name] = llama_shape(args.artifacts, args.ratios, args.keeps, shape, name, title, calib)
+            prepared[name] = llama_shape(args.artifacts, args.ratios, args.keeps, shape, name, title, calib,
+                                         args.dense_core_keeps)
     blocks = [(name, dtype, t) for name in args.models for dtype in args.dtypes for t in [*threads, "rss"]]
     todo = [b for b in blocks if _block_key(*b[1:]) not in results["models"].get(b[0], {}).get("runs", {})]
     live = {name: len([v for v in variants if v.unavailable is None]) for name, (variants, _) in prepared.items()}
@@ -652,24 +668,29 @@ def verdicts(entry: dict) -> list[str]:
                   if (r := _ratio(block[n]["median"][k], dense.get(k))) is not None and r < TARGETS["never_slower"]]
         verdict = "met" if not slower else f"MISSED ({'; '.join(slower)})"
         lines.append(f"- {key}: never slower than dense: {verdict}")
-        whole = block.get("model-0.6")
-        if whole is None:
-            reason = variants.get("model-0.6", {}).get("unavailable")
-            lines.append(f"- {key}: whole model -40%: not available ({reason})")
-            continue
-        for k, target, label in (("decode_b1_tokens_per_s", TARGETS["model_0.6_decode_b1"], "decode b1"),
-                                 ("prefill_tokens_per_s", TARGETS["model_0.6_prefill"], "prefill")):
-            r = _ratio(whole["median"][k], dense.get(k))
-            lines.append(f"- {key}: whole model -40% {label} {_x(r)} dense (target >= {target}x): "
-                         f"{'met' if r is not None and r >= target else 'MISSED'}")
+        for name in WHOLE_TARGETED:
+            tag = "whole model -40%" + (", dense core" if "dense" in name else "")
+            whole = block.get(name)
+            if whole is None:
+                if name in variants:
+                    lines.append(f"- {key}: {tag}: not available ({variants[name].get('unavailable')})")
+                continue
+            for k, target, label in (("decode_b1_tokens_per_s", TARGETS["model_0.6_decode_b1"], "decode b1"),
+                                     ("prefill_tokens_per_s", TARGETS["model_0.6_prefill"], "prefill")):
+                r = _ratio(whole["median"][k], dense.get(k))
+                lines.append(f"- {key}: {tag} {label} {_x(r)} dense (target >= {target}x): "
+                             f"{'met' if r is not None and r >= target else 'MISSED'}")
     for key, block in entry["runs"].items():
-        if key.endswith("/rss") and "model-0.6" in block:
-            r = _ratio(block["model-0.6"]["median"]["peak_rss"], block["dense"]["median"]["peak_rss"])
-            lines.append(f"- {key}: whole model -40% peak RSS {_x(r)} dense (target <= {TARGETS['model_0.6_rss']}x): "
+        for name in WHOLE_TARGETED:
+            if not key.endswith("/rss") or name not in block:
+                continue
+            tag = "whole model -40%" + (", dense core" if "dense" in name else "")
+            r = _ratio(block[name]["median"]["peak_rss"], block["dense"]["median"]["peak_rss"])
+            lines.append(f"- {key}: {tag} peak RSS {_x(r)} dense (target <= {TARGETS['model_0.6_rss']}x): "
                          f"{'met' if r is not None and r <= TARGETS['model_0.6_rss'] else 'MISSED'}")
             if "dense-unmapped" in block:  # the same against a dense model whose file is read as FTC's is
-                r = _ratio(block["model-0.6"]["median"]["peak_rss"], block["dense-unmapped"]["median"]["peak_rss"])
-                lines.append(f"- {key}: like for like, whole model -40% peak RSS {_x(r)} the dense model read "
+                r = _ratio(block[name]["median"]["peak_rss"], block["dense-unmapped"]["median"]["peak_rss"])
+                lines.append(f"- {key}: like for like, {tag} peak RSS {_x(r)} the dense model read "
                              "unmapped (not the target's reference; shown for how much is the loader)")
     for runtime in ("speed", "memory"):
         worst = max((v["held"]["attention"][f"{runtime}_x_stored"] or 0 for n, v in variants.items() if n in ftc),
@@ -792,8 +813,11 @@ def plot(results: dict) -> bytes:
             ax = figure.add_subplot(len(models), columns, row * columns + col + 1)
             block = entry["runs"][key]
             rss = entry["runs"].get(f"{key.split('/')[0]}/rss", {})
-            for scope, style in (("attention", "-"), ("model", "--")):
-                names = [n for n, v in entry["variants"].items() if v["scope"] == scope and n in block]
+            for scope, dense_core, style in (("attention", False, "-"), ("model", False, "--"), ("model", True, ":")):
+                names = [n for n, v in entry["variants"].items()
+                         if v["scope"] == scope and v.get("dense_core", False) == dense_core and n in block]
+                if dense_core:
+                    scope = "model, dense core"
                 ratios = [entry["variants"][n]["ratio"] for n in names]
                 for k, label, color in (("prefill_tokens_per_s", "prefill", "C0"),
                                         ("decode_b1_tokens_per_s", "decode b1", "C1"),
@@ -844,6 +868,8 @@ def main() -> None:
     parser.add_argument("--ratios", type=float, nargs="*", default=list(ATTENTION_RATIOS),
                         help="attention-only keep ratios rho")
     parser.add_argument("--keeps", type=float, nargs="*", default=list(MODEL_KEEPS), help="whole-model keep ratios")
+    parser.add_argument("--dense-core-keeps", type=float, nargs="*", default=list(MODEL_KEEPS),
+                        help="whole-model keep ratios compressed with every core dense (`--ablate dense_core`)")
     parser.add_argument("--tiny-layers", type=int, default=22, help="decoder layers of the 1.1B-shaped model")
     parser.add_argument("--prefill", type=_prefill, default=PREFILL, help="BATCHxTOKENS of the prefill")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
@@ -867,8 +893,9 @@ def main() -> None:
         smoke = Path(tempfile.gettempdir()) / "ftc-inference-smoke"
         args.models, args.dtypes, args.threads, args.repeats = ["smoke"], ["float32"], "1", 1
         args.ratios, args.keeps, args.prefill, args.new_tokens = [0.4], [0.6], (2, 32), 8
+        args.dense_core_keeps = [0.6]
         args.artifacts, args.out, args.fresh = smoke / "artifacts", smoke / "inference.json", True
-    args.ratios, args.keeps = tuple(args.ratios), tuple(args.keeps)
+    args.ratios, args.keeps, args.dense_core_keeps = tuple(args.ratios), tuple(args.keeps), tuple(args.dense_core_keeps)
     results = json.loads(args.out.read_text()) if args.render_only else run(args)
     args.out.with_suffix(".md").write_text(render(results))
     args.out.with_suffix(".png").write_bytes(plot(results))

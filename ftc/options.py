@@ -44,9 +44,10 @@ ABLATIONS: tuple[str, ...] = (
     "mlp_mode2",
     "wo_loss_metric",
     "loss_metric",
+    "dense_core",
 )
 """One-at-a-time removals of FTC components (ftc-method.md §3-§8, §17), and variants of one
-(`kv_repeat`, `wo_student_metric`, `mlp_mode2`; `wo_loss_metric`, which adds the loss gradient's
+(`kv_repeat`, `wo_student_metric`, `mlp_mode2`, `dense_core`, §9; `wo_loss_metric`, which adds the loss gradient's
 metric to `W_O`'s truncation, §8, and `loss_metric`, which adds it to Q/K/V's head dimension too, §5)."""
 MLP_ABLATIONS: tuple[str, ...] = ("mlp_per_matrix", "mlp_mode2")
 """Ablations of how the MLP is compressed: they need scope `model`."""

@@ -210,6 +210,13 @@ class Method:
         return {}
 
     @property
+    def dense_core(self) -> bool:
+        """Variant `dense_core` (§9): every Tucker core kept dense, no pruning, so the `speed` runtime
+        holds exactly the stored values and a keep ratio is also the share of values a decoded token
+        reads and of the multiply-adds; the sparse core's savings are given up for that."""
+        return "dense_core" in self.ablations
+
+    @property
     def plans(self) -> bool:
         """Whether a model-wide plan (`survey` + `plan`, or the search of `whole_model_plan`) comes
         before compression."""
@@ -484,6 +491,8 @@ class FTC(Method):
                 "sink_weight": self.first_weight,
                 "key_weight": self.key_weight,
                 "allocation_grid": "fixed ranks (ablation)" if "fixed_ranks" in self.ablations else grid,
+                # only when set: the lists kept for sparse cores keep their names (`plan_key`)
+                **({"core": "dense (variant dense_core): no pruning"} if self.dense_core else {}),
                 **self.search_choices()}
 
     def search_choices(self) -> dict:
@@ -530,7 +539,7 @@ class FTC(Method):
 
         def fit(whitening: Whitening, steps: int = steps, refits: int = refits):
             return compress_tensor(tensor, whitening, budget, balance=balance, coupled=coupled, steps=steps,
-                                   refits=refits, weights=weights, mode2=mode2)
+                                   refits=refits, weights=weights, mode2=mode2, dense_core=self.dense_core)
 
         measure = ActivationError(tensor, gram, balance, weights)
 
@@ -669,7 +678,7 @@ class FTC(Method):
         # each curve in the metric the guard of §3 accepts at the uniform budget, as compression would
         _, qkv_white, _ = self._tucker_fit(tensor, x, int(self.keep_ratio * layout.qkv_params), slice_weights, 1, 0)
         errors = tucker_curve(tensor, qkv_white, costs, balance="no_slice_norm" not in self.ablations,
-                              weights=slice_weights)
+                              weights=slice_weights, dense_core=self.dense_core)
         w_o = weights["o"].to(WORK_DTYPE)
         o_gram = None if "no_whiten" in self.ablations else ctx.teacher.gram
         _, o_white = guarded_whitened_svd(w_o, o_gram, budget_rank(*w_o.shape, self.keep_ratio))

@@ -589,7 +589,7 @@ class _Surveying:
         from ftc.numerics.metric import Whitening
 
         return tucker_curve(tensor, Whitening.from_gram(gram), [int(r * size) for r in self.ratios],
-                            weights=weights)
+                            weights=weights, dense_core=self.method.dense_core)
 
     def _matrix_curve(self, w: torch.Tensor, gram: torch.Tensor) -> list[float]:
         from ftc.numerics.metric import Whitening

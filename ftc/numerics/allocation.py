@@ -128,12 +128,12 @@ def lowrank_curve(unit: str, singular_values: torch.Tensor, rows: int, cols: int
 
 
 def tucker_curve(tensor: torch.Tensor, whitening: Whitening, budgets: list[int], balance: bool = True,
-                 weights: torch.Tensor | None = None) -> list[float]:
+                 weights: torch.Tensor | None = None, dense_core: bool = False) -> list[float]:
     """Predicted relative error of the Q/K/V tensor at each budget, from one HOSVD (§6).
 
     The allocator's own prediction (HOSVD factors, top-K core) in the whitened, balanced metric
     with the compression's slice weights: the refit of §7 only lowers it, by a similar fraction at
-    every budget.
+    every budget. `dense_core`: the allocator's prediction among dense cores only.
     """
     _, d, dh = tensor.shape
     balanced, _ = whiten_and_balance(tensor, whitening, balance, weights)  # releases the factor
@@ -141,7 +141,7 @@ def tucker_curve(tensor: torch.Tensor, whitening: Whitening, budgets: list[int],
     _, _, core = hosvd(balanced, consume=True)  # the core over the spent balanced tensor: 201 MB at 7B
     del balanced
     table = EnergyTable(core, owned=True)
-    return [allocate(table, total, b, d, dh).predicted_error / total for b in budgets]
+    return [allocate(table, total, b, d, dh, dense_core=dense_core).predicted_error / total for b in budgets]
 
 
 def heterogeneous_ratios(losses: torch.Tensor, ratio: float, floor: float = 0.01) -> list[float]:

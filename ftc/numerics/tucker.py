@@ -368,6 +368,7 @@ def allocate(
     grid_points: int = GRID_POINTS,
     ranks: tuple[int, int] | None = None,
     mode2: bool = True,
+    dense_core: bool = False,
 ) -> Allocation:
     """Pick `(r1, r2, K)` with the least predicted error under the budget (§6).
 
@@ -376,7 +377,8 @@ def allocate(
     **[choice]**. `ranks` are the full HOSVD's `(m1, m2)` that span the grid when the core holds
     only the rows up to `reachable_r1` (the candidates beyond fit no core, so the choice is the
     same). Without `mode2` (§17) `r2` is the whole second mode, which costs no factor, and only
-    `r1` is searched.
+    `r1` is searched. With `dense_core` only dense cores are candidates (`K = S r1 r2`, the
+    variant `dense_core`, §9): for every `r2`, the largest `r1` whose dense core fits.
     """
     slices, m1, m2 = table.shape
     held = table.shape[1:]
@@ -384,6 +386,8 @@ def allocate(
         m1, m2 = ranks
     if not mode2:
         m2 = held[1]
+    if dense_core:
+        return _dense_allocation(table, total_energy, budget, d, dh, (m1, m2), mode2)
     best: Allocation | None = None
 
     def consider(r1: int, r2: int) -> None:
@@ -414,6 +418,27 @@ def allocate(
         for r2 in (r2_best - step2, r2_best + step2):
             if 1 <= r2 <= m2:
                 consider(best.r1, r2)
+    return best
+
+
+def _dense_allocation(table: EnergyTable, total_energy: float, budget: int, d: int, dh: int,
+                      ranks: tuple[int, int], mode2: bool) -> Allocation:
+    """`allocate` over dense cores only: at each `r2` the largest `r1` that fits (more rows never
+    lose energy), the least predicted error of those. Every `r2` is tried: the search is one
+    block sum per `r2`, and the optimum sits on the budget's boundary, which a grid would miss."""
+    slices, held1, held2 = table.shape
+    m1, m2 = min(ranks[0], held1), min(ranks[1], held2)
+    best: Allocation | None = None
+    for r2 in range(1, m2 + 1) if mode2 else [m2]:
+        r1 = min(m1, (budget - (dh * r2 if mode2 else 0)) // (d + slices * r2))
+        if r1 < 1:
+            continue
+        full = slices * r1 * r2
+        err = total_energy - table.energy(r1, r2, full)
+        if best is None or clearly_below(err, best.predicted_error):
+            best = Allocation(r1, r2, full, err)
+    if best is None:
+        raise ValueError(f"budget of {budget} values cannot hold even rank-1 factors and a dense core")
     return best
 
 
@@ -627,12 +652,14 @@ def compress_tensor(
     refits: int = REFITS,
     weights: torch.Tensor | None = None,
     mode2: bool = True,
+    dense_core: bool = False,
 ) -> tuple[TuckerFactors, TuckerReport]:
     """Whiten, balance, allocate, prune and refit, then undo balancing and whitening (§3-§7).
 
     `tensor` is `(S, d, dh)` in `(in, out)` layout per slice; `budget` counts stored values;
     `weights` weigh the slices' shares of the objective (`whiten_and_balance`). Without `mode2` the
-    second factor is the identity: one shared input factor and a sparse core (§17).
+    second factor is the identity: one shared input factor and a sparse core (§17). With
+    `dense_core` the core is kept dense (`allocate`), so the runtime holds what is stored (§9).
     """
     slices, d, dh = tensor.shape
     balanced, norms = whiten_and_balance(tensor, whitening, balance, weights)
@@ -640,7 +667,8 @@ def compress_tensor(
     ranks = hosvd_ranks(balanced)
     u1, u2, core = hosvd(balanced, reachable_r1(budget, d, dh), mode2)
     if coupled:
-        alloc = allocate(EnergyTable(core, owned=True), total, budget, d, dh, ranks=ranks, mode2=mode2)  # squares it
+        alloc = allocate(EnergyTable(core, owned=True), total, budget, d, dh, ranks=ranks, mode2=mode2,
+                         dense_core=dense_core)  # squares it
     else:
         r1, r2 = fixed_ranks(budget, d, dh, slices, *ranks)
         dense = r1 * r2 * slices

@@ -299,3 +299,16 @@ def test_the_manifest_records_the_layer_search_only_where_it_plans(method):
     assert planned["ratio_candidates"] == list(default(layer_sensitivities, "ratios"))
     assert planned["sequences"] == ASVD_SENSITIVITY_SEQUENCES
     assert "layer_sensitivity" not in make_method(method, 0.4, torch.float16).choices()
+
+
+def test_dense_cores_plan_from_a_list_of_their_own(tiny_folder, tmp_path, monkeypatch):
+    """`--ablate dense_core` (§9) changes every fit the layer list measures and predicts, so its list
+    is kept under its own name: a default list of the same model and calibration is not reused."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    fields = dict(model=str(tiny_folder("gqa", layers=2)), device="cpu", calib_samples=4, seq_len=32,
+                  dtype="float32", batch_size=4, allocation="sensitivity", ratio=0.4)
+    compress(CompressOptions(**fields), tmp_path / "a", progress=False)
+    compress(CompressOptions(**fields, ablate=("dense_core",)), tmp_path / "b", progress=False)
+    lists = [[tuple(e["errors"]) for e in json.loads(p.read_text())["entries"]]
+             for p in (tmp_path / "cache" / "layer-plan").iterdir()]
+    assert len(lists) == 2 and lists[0] != lists[1]

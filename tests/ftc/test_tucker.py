@@ -189,3 +189,35 @@ def test_exact_low_rank_structure_is_recovered():
     factors, report = compress_tensor(t, Whitening(None, None), 30 * 4 + 8 * 3 + 6 * 12, balance=False)
     assert report.error_refit < 1e-6  # float32 factor updates
     torch.testing.assert_close(factors.weights().double(), t, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode2", [True, False])
+def test_dense_core_allocation_is_the_best_dense_core_under_the_budget(mode2):
+    """`allocate(dense_core=True)` against its definition: of every `(r1, r2)` whose dense core fits
+    beside the factors, the one with the most retained energy (a brute force over all of them)."""
+    t = structured_tensor()
+    slices, d, dh = t.shape
+    total = float(t.pow(2).sum())
+    core = hosvd(t)[2]
+    for fraction in (0.1, 0.3, 0.6):
+        budget = int(fraction * t.numel())
+        alloc = allocate(EnergyTable(core), total, budget, d, dh, mode2=mode2, dense_core=True)
+        assert alloc.kept == slices * alloc.r1 * alloc.r2
+        assert storage_values(d, dh, slices, alloc.r1, alloc.r2, alloc.kept, mode2) <= budget
+        fits = [(r1, r2) for r1 in range(1, core.shape[1] + 1) for r2 in (range(1, dh + 1) if mode2 else [dh])
+                if storage_values(d, dh, slices, r1, r2, slices * r1 * r2, mode2) <= budget]
+        best = max(float(core[:, :r1, :r2].pow(2).sum()) for r1, r2 in fits)
+        assert total - alloc.predicted_error == pytest.approx(best, rel=1e-12)
+
+
+def test_a_dense_core_fit_stores_no_mask_and_costs_what_a_sparse_one_may_not_exceed():
+    """The variant `dense_core` (§9): no support mask, the stored values within the budget, and an
+    error no lower than the sparse core's at the same budget (which may choose a dense core too)."""
+    t = structured_tensor(slices=9, d=48, dh=8)
+    budget = int(0.3 * t.numel())
+    dense, dense_report = compress_tensor(t, Whitening(None, None), budget, dense_core=True)
+    sparse, sparse_report = compress_tensor(t, Whitening(None, None), budget)
+    assert dense.mask is None and sparse.mask is not None
+    assert dense.stored_values <= budget
+    assert dense_report.kept == dense.core.numel()
+    assert dense_report.error_allocated >= sparse_report.error_allocated - 1e-12

@@ -8,6 +8,7 @@ path on every family: compress, reload, export.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from ftc.models.arch import decoder_layers, get_module, layout_of, set_module
 from ftc.numerics.metric import Moments
 from ftc.options import InputError
 from ftc.runtime.artifact import load_artifact
+from ftc.runtime.hf.modeling_ftc import runtime_forms
 from tests.support.pipeline import compress_model
 from tests.support.tiny import LAYOUTS, tiny_model
 
@@ -329,3 +331,25 @@ def test_a_per_matrix_mlp_spends_the_planned_gate_up_budget(tiny_folder, tmp_pat
         assert len(gate_up) == 2 and all(g["values"] <= budget["gateup"] // 2 for g in gate_up)
         assert sum(g["values"] for g in gate_up) > 0.7 * budget["gateup"]
         assert entry["budget_values"]["gateup"] == budget["gateup"] // 2 * 2
+
+
+def test_dense_cores_are_stored_whole_and_the_speed_runtime_holds_about_what_is_stored(tiny_folder, tmp_path):
+    """`--ablate dense_core` (§9): every Tucker group is written with a dense `core` (no mask), within
+    its budget, and the `speed` runtime's forms hold what is stored (a dense core's factored or
+    merged form is its stored tensors, or within a few percent of them), where the default sparse
+    cores are held scattered, at more than they store."""
+    options = CompressOptions(model=str(tiny_folder("gqa")), device="cpu", ratio=0.5, calib_samples=4, seq_len=32,
+                              dtype="float16", scope="model", allocation="uniform")
+    held = {}
+    for ablate in ((), ("dense_core",)):
+        folder = tmp_path / ("dense" if ablate else "sparse")
+        manifest = compress(dataclasses.replace(options, ablate=ablate), folder, progress=False)
+        groups = [g for entry in manifest["layers"] for g in entry["groups"] if g["kind"] == "tucker"]
+        assert groups and all(("kept" not in g) == bool(ablate) for g in groups)
+        model, _, _ = load_artifact(folder)
+        forms = runtime_forms(model)
+        held[ablate] = sum(r["values"] for r in forms) / sum(r["stored_values"] for r in forms)
+        if ablate:
+            for r in forms:
+                assert r["values"] <= 1.1 * r["stored_values"], r
+    assert held[("dense_core",)] <= 1.1 < held[()]
