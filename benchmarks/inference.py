@@ -121,10 +121,10 @@ class Variant:
         if self.scope == "dense":
             return ("dense, weights read unmapped" if self.unmapped else
                     "dense, one-token steps off oneDNN" if self.own_kernel else "dense")
-        core = ", dense core" if self.dense_core else ""
         if self.scope == "attention":
-            return f"attention rho {self.ratio}{core}"
-        return f"whole model keep {self.ratio} (-{round(100 * (1 - self.ratio))}%){core}"
+            return f"attention rho {self.ratio}"
+        return f"whole model keep {self.ratio} (-{round(100 * (1 - self.ratio))}%)" + (", dense core" if self.dense_core
+                                                                                      else "")
 
 
 def compress_to(folder: Path, model: str, ratio: float, scope: str, calib_samples: int, seq_len: int,
@@ -169,6 +169,8 @@ def ftc_variants(make: Callable[[float, str, bool], Path], ratios: tuple[float, 
 
 
 def artifact_name(scope: str, ratio: float, dense_core: bool) -> str:
+    """The folder name of a variant's artifact under `--artifacts` (kept between runs, so a dense-core
+    artifact must not take the name of the default one)."""
     return f"{scope}-{ratio}" + ("-dense_core" if dense_core else "")
 
 
