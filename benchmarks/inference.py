@@ -91,9 +91,9 @@ TARGETS = {
     "held_memory": 1.25,
 }
 """The targets of the runtime (SmolLM2-135M-Instruct on CPU, side by side in one run)."""
-WHOLE_TARGETED = ("model-0.6", "model-dense-0.6")
-"""The variants the whole-model -40% targets are checked on: the default compression, and the same
-with every core dense (`--ablate dense_core`)."""
+WHOLE_TARGETED = {"model-0.6": "whole model -40%", "model-dense-0.6": "whole model -40%, dense core"}
+"""The variants the whole-model -40% targets are checked on, with their name in the verdicts: the
+default compression, and the same with every core dense (`--ablate dense_core`)."""
 
 QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
              "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -670,8 +670,7 @@ def verdicts(entry: dict) -> list[str]:
                   if (r := _ratio(block[n]["median"][k], dense.get(k))) is not None and r < TARGETS["never_slower"]]
         verdict = "met" if not slower else f"MISSED ({'; '.join(slower)})"
         lines.append(f"- {key}: never slower than dense: {verdict}")
-        for name in WHOLE_TARGETED:
-            tag = "whole model -40%" + (", dense core" if "dense" in name else "")
+        for name, tag in WHOLE_TARGETED.items():
             whole = block.get(name)
             if whole is None:
                 if name in variants:
@@ -683,10 +682,9 @@ def verdicts(entry: dict) -> list[str]:
                 lines.append(f"- {key}: {tag} {label} {_x(r)} dense (target >= {target}x): "
                              f"{'met' if r is not None and r >= target else 'MISSED'}")
     for key, block in entry["runs"].items():
-        for name in WHOLE_TARGETED:
+        for name, tag in WHOLE_TARGETED.items():
             if not key.endswith("/rss") or name not in block:
                 continue
-            tag = "whole model -40%" + (", dense core" if "dense" in name else "")
             r = _ratio(block[name]["median"]["peak_rss"], block["dense"]["median"]["peak_rss"])
             lines.append(f"- {key}: {tag} peak RSS {_x(r)} dense (target <= {TARGETS['model_0.6_rss']}x): "
                          f"{'met' if r is not None and r <= TARGETS['model_0.6_rss'] else 'MISSED'}")
