@@ -71,11 +71,11 @@ if TYPE_CHECKING:
 
 CACHE_ENV = "FTC_CACHE_DIR"
 PLAN_LOGIT_POSITIONS = 128
-"""Positions whose log-probabilities the layer list holds at once (`_log_probs`): 25 MB of a 49k
-vocabulary in float32, against 100 MB for a whole sequence of 512."""
+"""Positions whose logits the layer list holds at once (`_head_blocks`): 25 MB of a 49k vocabulary in
+float32, against 100 MB for a whole sequence of 512."""
 PLAN_PROBE_BATCH = 1
 """Sequences the layer list runs through a decoder layer at once (`_through`, the probe's
-propagation): one, as `_log_probs` reads them. The whole probe (4 x 512 tokens) at once held its
+propagation): one, as `_head_blocks` reads them. The whole probe (4 x 512 tokens) at once held its
 MLP activations, three `tokens x intermediate` float32 buffers (350 MB on a 7B shape), and set the
 list's peak when it streamed the later layers in (benchmarks/results/memory.md)."""
 SCALE_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "mlp", "up": "mlp", "down": "down"}
@@ -645,33 +645,106 @@ def _through(model: nn.Module, layout: AttentionLayout, weights: WeightSource, p
     return hidden
 
 
-def _log_probs(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, final: list[torch.Tensor],
-               device: torch.device) -> Iterator[torch.Tensor]:
-    """Next-token log-probabilities (float32) from the last layer's output, through the model's own
-    final norm and head (and any logit soft-capping), one sequence and `PLAN_LOGIT_POSITIONS`
-    positions at a time: a whole sequence's log-probabilities of a 49k vocabulary are 100 MB, and
-    the logits, the reference's and the divergence's temporaries as many again each, which set the
-    list's peak on a 7B shape (`benchmarks/results/memory.md`). The same values: a position's
-    log-probabilities depend on its own logits only."""
+def _head_blocks(model: nn.Module, layout: AttentionLayout, ids: torch.Tensor, final: list[torch.Tensor],
+                 device: torch.device) -> Iterator[tuple[torch.Tensor | None, torch.Tensor]]:
+    """`(head input, logits)` from the last layer's output, through the model's own final norm and
+    head (and any logit soft-capping), one sequence and `PLAN_LOGIT_POSITIONS` positions at a time: a
+    whole sequence's logits of a 49k vocabulary are 100 MB, and the divergence's temporaries as many
+    again each, which set the list's peak on a 7B shape (`benchmarks/results/memory.md`). The same
+    values: a position's logits depend on its own hidden state only. The head input (the final norm's
+    output at those positions) is None where the logits are not the output of a `nn.Linear` head as
+    it is (Gemma 2 soft-caps them): `_Reference` then reads them the long way."""
+    head, seen = model.get_output_embeddings(), {}
+
+    def keep(_module, args, out) -> None:
+        seen["x"], seen["z"] = args[0], out
+
     layers, length = len(decoder_layers(model, layout)), ids.shape[1]
-    for sequence, hidden in zip(ids, (row for batch in final for row in batch), strict=True):  # no joined copy
-        for start in range(0, length, PLAN_LOGIT_POSITIONS):
-            positions = torch.arange(start, min(start + PLAN_LOGIT_POSITIONS, length))
-            for _, logits in logits_from_layer(model, layout, layers, sequence[None], 1, [hidden[None]], device,
-                                               positions):
-                yield F.log_softmax(logits.float(), dim=-1)[0]
+    with _hooks([head.register_forward_hook(keep)]):
+        for sequence, hidden in zip(ids, (row for batch in final for row in batch), strict=True):  # no joined copy
+            for start in range(0, length, PLAN_LOGIT_POSITIONS):
+                positions = torch.arange(start, min(start + PLAN_LOGIT_POSITIONS, length))
+                for _, logits in logits_from_layer(model, layout, layers, sequence[None], 1, [hidden[None]], device,
+                                                   positions):
+                    affine = isinstance(head, nn.Linear) and seen.pop("z", None) is logits
+                    x = seen.pop("x")
+                    yield (x[0] if affine else None), logits[0]
+
+
+class _Reference:
+    """The original model's next-token distributions on the probe, kept as each divergence reads them.
+
+    Where the head is affine (logits `z = W x + b` of the final norm's output `x`), the KL divergence of
+    a distribution from the original's is the Bregman divergence of the log-partition function
+    `A(x) = logsumexp(W x + b)` between the two head inputs:
+
+        KL(p0 || p) = A(x) - A(x0) - (x - x0) . grad A(x0),   grad A(x0) = W^T p0,
+
+    exactly (`sum p0 log p0 - sum p0 z = -A(x0)`), up to the float32 rounding of the logits inside
+    `A`: about their unit in the last place per position (2e-6 at 20), which a sum over the vocabulary
+    of `p0 (log p0 - log p)` cancels to first order; on SmolLM2's list the two differ by at most 1e-4 of a
+    divergence and plan the same budgets (docs/results.md). A position's divergence is never
+    negative, so what rounding takes below zero is clamped. So the reference keeps per position `x0` and
+    `W^T p0` (spilled, `2 d` floats against a vocabulary's log-probabilities: 9 MB for SmolLM2's probe
+    against 400 MB) and `A(x0)` in float64, and a divergence needs only its logits' logsumexp: no
+    log-softmax, no second exponential, no vocabulary-wide block read back per position (12 GB over
+    SmolLM2's list). Otherwise (soft-capped logits) the log-probabilities themselves are spilled and
+    the divergence is summed over the vocabulary.
+    """
+
+    def __init__(self, blocks: Iterator[tuple[torch.Tensor | None, torch.Tensor]], head: nn.Module) -> None:
+        self.partition: list[torch.Tensor] = []  # A(x0) per block, float64 (affine heads)
+        self.affine = True
+
+        def kept() -> Iterator[torch.Tensor]:
+            weight = head.weight.float()  # the head itself in float32; one copy for all blocks otherwise
+            for x, logits in blocks:
+                z = logits.float()
+                if x is None:
+                    self.affine = False
+                    yield F.log_softmax(z, dim=-1)
+                    continue
+                self.partition.append(_log_partition(z))
+                yield torch.cat([x.float(), torch.softmax(z, dim=-1) @ weight], dim=-1)
+
+        self.blocks = SpilledTensors(kept())
+
+    def divergence(self, blocks: Iterator[tuple[torch.Tensor | None, torch.Tensor]]) -> float:
+        """Mean KL divergence per token of the distributions of `blocks` (`_head_blocks` of the model
+        as it is now) from the reference's."""
+        total, count = 0.0, 0
+        partitions = iter(self.partition)
+        for (x, logits), kept in zip(blocks, self.blocks, strict=True):
+            z = logits.float()
+            kept = kept.to(z.device)
+            if self.affine:
+                x0, grad = kept.split(x.shape[-1], dim=-1)
+                shift = ((x.double() - x0.double()) * grad.double()).sum(-1)
+                total += float((_log_partition(z) - next(partitions).to(z.device) - shift).clamp_min(0).sum())
+            else:
+                total += float(F.kl_div(F.log_softmax(z, dim=-1), kept, reduction="sum", log_target=True))
+            count += z.shape[0]
+        return total / count
+
+
+def _log_partition(z: torch.Tensor) -> torch.Tensor:
+    """`logsumexp` of each row of `z` in float64, from float32 exponentials: the maximum is added in
+    float64 so that the difference of two of them (`_Reference`, about 20 apart from their sum) keeps
+    the precision of the sum of exponentials, not the float32 rounding of the result."""
+    top = z.max(dim=-1, keepdim=True).values
+    return top[..., 0].double() + (z - top).exp_().sum(-1).double().log()
 
 
 class SpilledTensors:
     """Float32 tensors kept in a temporary file rather than in memory, read back in order one at a time:
-    the layer list's reference, the original model's log-probabilities one block of positions at a time
-    (`_log_probs`; four sequences of a 49k vocabulary are 400 MB in float32, and float16 would err by
-    1e-5 per token, the size of the smallest divergences), and the loss metric's layer inputs
-    (`ftc.compression.gradients`).
+    the layer list's reference one block of positions at a time (`_Reference`: float16 would err by
+    1e-5 per token, the size of the smallest divergences; on a 7B shape its blocks are 67 MB, beside
+    the list's peak), and the loss metric's layer inputs (`ftc.compression.gradients`).
 
     Each block is read straight into one buffer reused for every block and every reading (the list
-    reads the file once per unit, 12 GB on SmolLM2): a fresh array per block cost a second copy and
-    its page faults, 14% of the list's time. A yielded tensor is valid until the next one is read."""
+    reads the file once per unit): a fresh array per block cost a second copy and its page faults,
+    14% of the list's time when the reference was its log-probabilities. A yielded tensor is valid
+    until the next one is read."""
 
     def __init__(self, sequences: Iterator[torch.Tensor]) -> None:
         import tempfile
@@ -730,7 +803,7 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
     probe = layer_inputs(model, layout, ids, PLAN_PROBE_BATCH, device)
     original = _through(model, layout, weights, probe, probe.hidden, 0, device, compute_dtype, resident=False)
     with materialized(model, head, weights, device, compute_dtype):
-        reference = SpilledTensors(_log_probs(model, layout, ids, original, device))
+        reference = _Reference(_head_blocks(model, layout, ids, original, device), model.get_output_embeddings())
     del original
     planner = _Surveying(dataclasses.replace(method, keep_ratio=PLAN_REFERENCE_RATIO, allocation="uniform",
                                              budgets=None, ablations=method.ablations | {"no_sequential"}), ratios)
@@ -766,7 +839,7 @@ def layer_gains(method: Method, weights: WeightSource, layout: AttentionLayout, 
                                  resident=False) for unit in units}
         with materialized(model, head, weights, device, compute_dtype):  # the head: only while it is read
             for unit, parts in units.items():
-                divergence = _kl(_log_probs(model, layout, ids, finals.pop(unit), device), reference)
+                divergence = reference.divergence(_head_blocks(model, layout, ids, finals.pop(unit), device))
                 errors = tuple(sum(planner.curves[p][i] for p in parts) for i in range(len(ratios)))
                 curves.append(UnitCurve(index, unit, tuple(ratios), errors, divergence, errors[at]))
         if bounded:
@@ -799,15 +872,6 @@ def head_modules(model: nn.Module, layout: AttentionLayout) -> list[str]:
              m is not model.get_input_embeddings()]
     head = [n for n, m in model.named_children() if m is model.get_output_embeddings()]
     return norms + head
-
-
-def _kl(log_probs: Iterator[torch.Tensor], reference: SpilledTensors) -> float:
-    """Mean KL divergence per token of `log_probs` from `reference`, block by block."""
-    total, count = 0.0, 0
-    for mine, theirs in zip(log_probs, reference, strict=True):
-        total += float(F.kl_div(mine, theirs.to(mine.device), reduction="sum", log_target=True))
-        count += mine.shape[0]
-    return total / count
 
 
 def gains_plan(curves: list[UnitCurve], layout: AttentionLayout, layers: int, rho: float, scope: str) -> list[dict]:

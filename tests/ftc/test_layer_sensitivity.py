@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from ftc.compression import sensitivity
 from ftc.compression.compress import CompressOptions, compress
 from ftc.compression.methods import make_method
-from ftc.compression.sensitivity import CACHE_ENV, Sensitivity, UnitCurve, gains_plan, layer_plan, layer_sensitivities
+from ftc.compression.sensitivity import (
+    CACHE_ENV,
+    Sensitivity,
+    UnitCurve,
+    _Reference,
+    gains_plan,
+    layer_plan,
+    layer_sensitivities,
+)
 from ftc.models.arch import decoder_layers, get_module, layout_of, set_module
 from ftc.numerics.allocation import Curve, choose
 from ftc.options import ASVD_SENSITIVITY_SEQUENCES, LAYER_RATIO_CANDIDATES, PLAN_REFERENCE_RATIO, InputError
@@ -117,18 +125,56 @@ def test_the_sensitivity_allocation_plans_from_its_own_kept_list(method, tiny_fo
         assert storage["qkv_values_used"] + storage["o_values_used"] <= storage["attention_budget_values"]
 
 
-@pytest.mark.parametrize(("layout_name", "scope"), [("gqa", "attention"), ("gemma3", "model"), ("phi3", "model")])
-def test_each_streamed_divergence_is_that_of_the_unit_alone_compressed(layout_name, scope, monkeypatch):
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_reference_reads_the_kl_divergence_by_its_definition(affine):
+    """`_Reference` (§15) against `sum p0 (log p0 - log p)` of the head in float64, block by block: with
+    an affine head from the Bregman form (the head inputs, `W^T p0` and the log-partition), otherwise
+    from the spilled log-probabilities. Logits near 20, as a real head's."""
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 300)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(300, 16, generator=generator) * 3)
+        head.bias.copy_(torch.randn(300, generator=generator) + 20)
+    inputs = [torch.randn(n, 16, generator=generator) for n in (5, 5, 2)]
+    moved = [x + 0.05 * torch.randn(x.shape, generator=generator) for x in inputs]
+
+    def blocks(xs):
+        with torch.no_grad():
+            return iter([(x if affine else None, head(x)) for x in xs])
+
+    reference = _Reference(blocks(inputs), head)
+    assert reference.affine is affine
+    exact = copy.deepcopy(head).double()
+    with torch.no_grad():
+        p0 = F.log_softmax(exact(torch.cat(inputs).double()), -1)
+        p = F.log_softmax(exact(torch.cat(moved).double()), -1)
+    expected = float((p0.exp() * (p0 - p)).sum(-1).mean())
+    assert expected > 1e-2
+    # float32 logits near 20 round by about 1e-6 each: 1e-4 of this divergence, by either route
+    assert reference.divergence(blocks(moved)) == pytest.approx(expected, rel=1e-4)
+    assert reference.divergence(blocks(inputs)) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize(("layout_name", "scope", "capped"),
+                         [("gqa", "attention", False), ("gemma3", "model", False), ("phi3", "model", False),
+                          ("gemma3", "attention", True)])
+def test_each_streamed_divergence_is_that_of_the_unit_alone_compressed(layout_name, scope, capped, monkeypatch):
     """The streamed list (§15): unit (l, attention|mlp) holds the KL divergence of the model with only
     that unit of layer l compressed at the reference ratio, measured through an independent route (the
     whole model compressed at that ratio on the original stream, the unit put into a copy of the
     original model, full forwards), and its predicted errors fall as the ratio grows. The list reads
-    the log-probabilities 5 positions at a time here (a last block of 2), the route whole sequences."""
+    the logits 5 positions at a time here (a last block of 2), the route whole sequences. `capped`
+    soft-caps the logits (as Gemma 2 does): the head is then not affine, and the reference keeps the
+    log-probabilities (`_Reference`)."""
     from ftc.models.weights import ModuleSource
 
     monkeypatch.setattr(sensitivity, "PLAN_LOGIT_POSITIONS", 5)
+    references = []
+    monkeypatch.setattr(sensitivity, "_Reference", lambda *args: references.append(_Reference(*args)) or references[-1])
 
     model = _confident(layout_name)
+    if capped:
+        model.config.final_logit_softcapping = 5.0
     layout = layout_of(model.config)
     calib = _calibration(model)
     planner = make_method("ftc", 0.4, torch.float32, allocation="sensitivity", scope=scope)
@@ -136,6 +182,7 @@ def test_each_streamed_divergence_is_that_of_the_unit_alone_compressed(layout_na
                                      progress=False)
     units = ["attention", "mlp"] if scope == "model" else ["attention"]
     assert [(c.layer, c.unit) for c in curves] == list(itertools.product(range(3), units))
+    assert [r.affine for r in references] == [not capped]
     compressed = copy.deepcopy(model)
     probe = make_method("ftc", PLAN_REFERENCE_RATIO, torch.float32, ("no_sequential",), scope=scope)
     compress_model(compressed, layout, probe, calib, device=CPU, batch_size=BATCH)
