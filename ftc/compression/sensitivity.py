@@ -73,6 +73,10 @@ CACHE_ENV = "FTC_CACHE_DIR"
 PLAN_LOGIT_POSITIONS = 128
 """Positions whose logits the layer list holds at once (`_head_blocks`): 25 MB of a 49k vocabulary in
 float32, against 100 MB for a whole sequence of 512."""
+PLAN_REFERENCE_TOP = 64
+"""Tokens per position whose logits the layer list's reference keeps (`_Reference`): the linear term
+of each divergence is taken from their rounded logits, so their rounding cancels as in a sum over the
+vocabulary. Token ids are kept as float32, exact up to 2^24."""
 PLAN_PROBE_BATCH = 1
 """Sequences the layer list runs through a decoder layer at once (`_through`, the probe's
 propagation): one, as `_head_blocks` reads them. The whole probe (4 x 512 tokens) at once held its
@@ -678,23 +682,25 @@ class _Reference:
     a distribution from the original's is the Bregman divergence of the log-partition function
     `A(x) = logsumexp(W x + b)` between the two head inputs:
 
-        KL(p0 || p) = A(x) - A(x0) - (x - x0) . grad A(x0),   grad A(x0) = W^T p0,
+        KL(p0 || p) = A(x) - A(x0) - p0 . (z - z0),   p0 . (z - z0) = (x - x0) . W^T p0,
 
-    exactly (`sum p0 log p0 - sum p0 z = -A(x0)`), up to the float32 rounding of the logits inside
-    `A`: about their unit in the last place per position (2e-6 at 20), which a sum over the vocabulary
-    of `p0 (log p0 - log p)` cancels to first order; on SmolLM2's list the two differ by at most 1e-4 of a
-    divergence and plan the same budgets (docs/results.md). A position's divergence is never
-    negative, so what rounding takes below zero is clamped. So the reference keeps per position `x0` and
-    `W^T p0` (spilled, `2 d` floats against a vocabulary's log-probabilities: 9 MB for SmolLM2's probe
-    against 400 MB) and `A(x0)` in float64, and a divergence needs only its logits' logsumexp: no
-    log-softmax, no second exponential, no vocabulary-wide block read back per position (12 GB over
-    SmolLM2's list). Otherwise (soft-capped logits) the log-probabilities themselves are spilled and
-    the divergence is summed over the vocabulary.
+    exactly (`sum p0 log p0 - sum p0 z0 = -A(x0)`). So the reference keeps per position `x0`, `W^T p0`
+    and `A(x0)` (in float64), and a divergence needs only its logits' logsumexp: no log-softmax, no
+    second exponential over the vocabulary, no vocabulary-wide block read back per position (400 MB of
+    log-probabilities for SmolLM2's probe, read once per unit). One refinement keeps it as precise as
+    the sum over the vocabulary: the float32 rounding of the logits inside `A` (about their last
+    place, 2e-6 at 20, per position) cancels to first order only where the linear term is taken from
+    the same rounded logits, so for the `PLAN_REFERENCE_TOP` most likely tokens (nearly all of `p0`'s
+    mass) it is, `sum_top p0 (z - z0)` from the logits themselves, and `W^T p0` covers the rest. On
+    SmolLM2's list the divergences are those of the sum over the vocabulary to 1e-4 and plan the same
+    budgets (docs/results.md). Heads whose logits are post-processed (Gemma 2's soft-capping) keep the
+    log-probabilities, spilled, and sum over the vocabulary.
     """
 
     def __init__(self, blocks: Iterator[tuple[torch.Tensor | None, torch.Tensor]], head: nn.Module) -> None:
         self.partition: list[torch.Tensor] = []  # A(x0) per block, float64 (affine heads)
         self.affine = True
+        self.top = 0
 
         def kept() -> Iterator[torch.Tensor]:
             weight = head.weight.float()  # the head itself in float32; one copy for all blocks otherwise
@@ -705,7 +711,11 @@ class _Reference:
                     yield F.log_softmax(z, dim=-1)
                     continue
                 self.partition.append(_log_partition(z))
-                yield torch.cat([x.float(), torch.softmax(z, dim=-1) @ weight], dim=-1)
+                p0 = torch.softmax(z, dim=-1)
+                top, index = p0.topk(min(PLAN_REFERENCE_TOP, z.shape[-1]), dim=-1)
+                self.top = index.shape[-1]
+                rest = p0.scatter_(-1, index, 0.0) @ weight  # W^T p0 over the tokens outside the top
+                yield torch.cat([x.float(), rest, z.gather(-1, index), top, index.float()], dim=-1)
 
         self.blocks = SpilledTensors(kept())
 
@@ -718,19 +728,22 @@ class _Reference:
             z = logits.float()
             kept = kept.to(z.device)
             if self.affine:
-                x0, grad = kept.split(x.shape[-1], dim=-1)
-                shift = ((x.double() - x0.double()) * grad.double()).sum(-1)
-                total += float((_log_partition(z) - next(partitions).to(z.device) - shift).clamp_min(0).sum())
+                width = x.shape[-1]
+                x0, rest, z0, top, index = kept.split([width, width, self.top, self.top, self.top], dim=-1)
+                linear = (((x.double() - x0.double()) * rest.double()).sum(-1)
+                          + (top.double() * (z.gather(-1, index.long()) - z0).double()).sum(-1))
+                total += float((_log_partition(z) - next(partitions).to(z.device) - linear).sum())
             else:
                 total += float(F.kl_div(F.log_softmax(z, dim=-1), kept, reduction="sum", log_target=True))
             count += z.shape[0]
-        return total / count
+        return max(0.0, total / count)  # a KL divergence is never negative; rounding may take a near-zero one below
 
 
 def _log_partition(z: torch.Tensor) -> torch.Tensor:
     """`logsumexp` of each row of `z` in float64, from float32 exponentials: the maximum is added in
-    float64 so that the difference of two of them (`_Reference`, about 20 apart from their sum) keeps
-    the precision of the sum of exponentials, not the float32 rounding of the result."""
+    float64, so the difference of two of them (`_Reference`: values near 20 whose difference is part
+    of a divergence of 1e-3) keeps the precision of the sum of exponentials, not the float32 rounding
+    of a value near 20."""
     top = z.max(dim=-1, keepdim=True).values
     return top[..., 0].double() + (z - top).exp_().sum(-1).double().log()
 
@@ -738,8 +751,8 @@ def _log_partition(z: torch.Tensor) -> torch.Tensor:
 class SpilledTensors:
     """Float32 tensors kept in a temporary file rather than in memory, read back in order one at a time:
     the layer list's reference one block of positions at a time (`_Reference`: float16 would err by
-    1e-5 per token, the size of the smallest divergences; on a 7B shape its blocks are 67 MB, beside
-    the list's peak), and the loss metric's layer inputs (`ftc.compression.gradients`).
+    1e-5 per token, the size of the smallest divergences; 67 MB in all on a 7B shape, kept out of the
+    list's peak), and the loss metric's layer inputs (`ftc.compression.gradients`).
 
     Each block is read straight into one buffer reused for every block and every reading (the list
     reads the file once per unit): a fresh array per block cost a second copy and its page faults,
