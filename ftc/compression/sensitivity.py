@@ -751,7 +751,7 @@ def _log_partition(z: torch.Tensor) -> torch.Tensor:
 class SpilledTensors:
     """Float32 tensors kept in a temporary file rather than in memory, read back in order one at a time:
     the layer list's reference one block of positions at a time (`_Reference`: float16 would err by
-    1e-5 per token, the size of the smallest divergences; 67 MB in all on a 7B shape, kept out of the
+    1e-5 per token, the size of the smallest divergences; 69 MB in all on a 7B shape, kept out of the
     list's peak), and the loss metric's layer inputs (`ftc.compression.gradients`).
 
     Each block is read straight into one buffer reused for every block and every reading (the list
