@@ -123,8 +123,8 @@ class Variant:
                     "dense, one-token steps off oneDNN" if self.own_kernel else "dense")
         if self.scope == "attention":
             return f"attention rho {self.ratio}"
-        return f"whole model keep {self.ratio} (-{round(100 * (1 - self.ratio))}%)" + (", dense core" if self.dense_core
-                                                                                      else "")
+        core = ", dense core" if self.dense_core else ""
+        return f"whole model keep {self.ratio} (-{round(100 * (1 - self.ratio))}%){core}"
 
 
 def compress_to(folder: Path, model: str, ratio: float, scope: str, calib_samples: int, seq_len: int,

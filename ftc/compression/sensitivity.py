@@ -700,7 +700,7 @@ class _Reference:
     def __init__(self, blocks: Iterator[tuple[torch.Tensor | None, torch.Tensor]], head: nn.Module) -> None:
         self.partition: list[torch.Tensor] = []  # A(x0) per block, float64 (affine heads)
         self.affine = True
-        self.top = 0
+        self.top = min(PLAN_REFERENCE_TOP, head.weight.shape[0])  # tokens kept per position
 
         def kept() -> Iterator[torch.Tensor]:
             weight = head.weight.float()  # the head itself in float32; one copy for all blocks otherwise
@@ -712,8 +712,7 @@ class _Reference:
                     continue
                 self.partition.append(_log_partition(z))
                 p0 = torch.softmax(z, dim=-1)
-                top, index = p0.topk(min(PLAN_REFERENCE_TOP, z.shape[-1]), dim=-1)
-                self.top = index.shape[-1]
+                top, index = p0.topk(self.top, dim=-1)
                 rest = p0.scatter_(-1, index, 0.0) @ weight  # W^T p0 over the tokens outside the top
                 yield torch.cat([x.float(), rest, z.gather(-1, index), top, index.float()], dim=-1)
 
