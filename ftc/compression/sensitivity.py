@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from ftc.evaluation.data import ids_sha256
 from ftc.models.arch import AttentionLayout, decoder_layers, get_module, projection_weights, set_module
-from ftc.models.weights import WeightSource, materialize, release, skeleton
+from ftc.models.weights import WeightSource, materialize, release, skeleton, times_weight
 from ftc.numerics.allocation import Curve, choose
 from ftc.numerics.lowrank import scaled_svd
 from ftc.numerics.metric import WORK_DTYPE
@@ -703,7 +703,7 @@ class _Reference:
         self.top = min(PLAN_REFERENCE_TOP, head.weight.shape[0])  # tokens kept per position
 
         def kept() -> Iterator[torch.Tensor]:
-            weight = head.weight.float()  # the head itself in float32; one copy for all blocks otherwise
+            weight = head.weight  # a 16-bit head stays so: `times_weight` converts it a block at a time
             for x, logits in blocks:
                 z = logits.float()
                 if x is None:
@@ -713,7 +713,7 @@ class _Reference:
                 self.partition.append(_log_partition(z))
                 p0 = torch.softmax(z, dim=-1)
                 top, index = p0.topk(self.top, dim=-1)
-                rest = p0.scatter_(-1, index, 0.0) @ weight  # W^T p0 over the tokens outside the top
+                rest = times_weight(p0.scatter_(-1, index, 0.0), weight)  # W^T p0 outside the top
                 yield torch.cat([x.float(), rest, z.gather(-1, index), top, index.float()], dim=-1)
 
         self.blocks = SpilledTensors(kept())

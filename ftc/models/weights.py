@@ -325,6 +325,19 @@ def _upcast_rows(weight: torch.Tensor, dtype: torch.dtype) -> Iterator[tuple[sli
         yield rows, weight[rows].to(dtype)
 
 
+def times_weight(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`y @ weight` for a Linear's `(out, in)` weight (its transposed product: the gradient of the
+    input, or `W^T p` of an output-space vector), in `y`'s dtype. A weight in another dtype is
+    converted `UPCAST_ROWS` rows at a time, as `BlockwiseLinear` converts it: a float32 copy of a
+    16-bit head of a 7B shape is 0.5 GB, more than what a streamed compression holds besides."""
+    if weight.dtype == y.dtype:
+        return y @ weight
+    out = y.new_zeros(*y.shape[:-1], weight.shape[1])
+    for rows, block in _upcast_rows(weight, y.dtype):
+        out += y[..., rows] @ block
+    return out
+
+
 def _blockwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ weight^T + bias` with `weight` converted to `x`'s dtype `UPCAST_ROWS` rows at a time."""
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
@@ -345,10 +358,7 @@ class _BlockwiseProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (weight,) = ctx.saved_tensors
-        out = grad.new_zeros(*grad.shape[:-1], weight.shape[1])
-        for rows, block in _upcast_rows(weight, grad.dtype):
-            out += grad[..., rows] @ block
-        return out, None, None
+        return times_weight(grad, weight), None, None
 
 
 def materialize(model: nn.Module, module_name: str, weights: WeightSource, device, dtype: torch.dtype,
