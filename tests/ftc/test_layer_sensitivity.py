@@ -174,9 +174,8 @@ def test_the_reference_reads_the_kl_divergence_by_its_definition(affine, dtype, 
     assert reference.affine is affine
     exact = torch.nn.Linear(16, 300).double()
     with torch.no_grad():
-        exact.weight.copy_(head.weight.double())
+        exact.weight.copy_(head.weight.double())  # the 16-bit head's own values
         exact.bias.copy_(head.bias.double())
-    with torch.no_grad():
         p0 = F.log_softmax(exact(torch.cat(inputs).double()), -1)
         p = F.log_softmax(exact(torch.cat(moved).double()), -1)
     expected = float((p0.exp() * (p0 - p)).sum(-1).mean())
